@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 CRD    := manifests/crd/trainingjobs.meshtrain.io.yaml
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock | sha1sum | cut -c1-12)
 
-.PHONY: help venv lock verify crd bootstrap images run run-local test test-unit test-torch-oldest test-e2e test-nvidia-crd test-gang-backends benchmarks bench-overlap bench-faults clean \
+.PHONY: help venv lock verify crd bootstrap images run run-local test test-unit test-torch-oldest test-e2e test-nvidia-crd test-gang-backends benchmarks bench-overlap bench-faults bench-churn bench-headtohead clean \
         chart-docs chart-sync chart-package release manifests lint-chart sandbox-up sandbox-down sandbox-status
 
 help:  ## list targets
@@ -112,6 +112,12 @@ bench-overlap: venv  ## communication overlap before/after (tp2, dp2 ZeRO-1/2, p
 
 bench-faults: venv bootstrap  ## the sandbox fault benchmark, gang rebuild vs in-place side by side (root; e2e tier, not in `make benchmarks`; BENCH_ARGS=...)
 	$(BIN)/python benchmarks/bench_faults.py $(BENCH_ARGS)
+
+bench-churn: venv bootstrap  ## the operator under a trace's churn on a KWOK fleet, results/churn-<host>.json (never CI; ~30 min; BENCH_ARGS=...)
+	$(BIN)/python -m benchmarks.fleet.churn $(BENCH_ARGS)
+
+bench-headtohead: venv bootstrap  ## meshtrain vs Kueue TAS, the same trace on the same KWOK fleet, results/headtohead-<host>.json (never CI; ~25 min; BENCH_ARGS=...)
+	$(BIN)/python -m benchmarks.fleet.headtohead $(BENCH_ARGS)
 
 clean:  ## remove build outputs (keeps .venv and the binary cache)
 	rm -rf build dist *.egg-info runs .pytest_cache

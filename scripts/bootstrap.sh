@@ -52,6 +52,9 @@
 #     SCHEDULER_PLUGINS_VERSION into $CACHE_ROOT/scheduler-plugins-<version>/
 #     (node only). Its k8s.io deps are pinned with the `replace` lines of the
 #     module's own go.mod, as build_kubernetes pins the staging modules.
+#   * KWOK's `kwok` controller, which simulates the fleet benchmarks' GPU nodes
+#     and their pods' lifecycles (benchmarks/fleet), from sigs.k8s.io/kwok at
+#     KWOK_VERSION into $CACHE_ROOT/kwok-<version>/bin/ (node only).
 #
 # What it is not: a cluster installer. It only provides binaries.
 #
@@ -84,6 +87,7 @@ NVIDIA_DRA_DRIVER_VERSION="${MESHTRAIN_NVIDIA_DRA_DRIVER_VERSION:-v0.0.0-2025121
 # The newest scheduler-plugins tag the module proxy serves here (v0.35.0 is refused); built
 # against its own Kubernetes v1.34.1 libraries, it schedules on the v1.36 control plane (skew 2).
 SCHEDULER_PLUGINS_VERSION="${MESHTRAIN_SCHEDULER_PLUGINS_VERSION:-v0.34.1-devel}"
+KWOK_VERSION="${MESHTRAIN_KWOK_VERSION:-v0.8.0}"
 CACHE_ROOT="${MESHTRAIN_CACHE:-$HOME/.cache/meshtrain}"
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN_DIR="$CACHE_ROOT/bin/$K8S_VERSION"
@@ -435,6 +439,20 @@ build_scheduler_plugins() {
   log "scheduler-plugins $SCHEDULER_PLUGINS_VERSION: $root"
 }
 
+# KWOK's controller (`kwok`, not the `kwokctl` cluster manager), from its Go module into
+# $CACHE_ROOT/kwok-<version>/bin/: benchmarks/fleet runs it against its own control plane to
+# simulate thousands of GPU nodes whose pods the real kube-scheduler binds. Node only (the
+# benchmarks' full bootstrap), like the registry. The version stamp is the one its Makefile sets.
+build_kwok() {
+  local root="$CACHE_ROOT/kwok-$KWOK_VERSION"
+  if [[ -x "$root/bin/kwok" ]]; then
+    log "kwok $KWOK_VERSION present: $root"
+    return
+  fi
+  build_from_module "$root" kwok sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok \
+    "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
+}
+
 # containerd's Makefile leaves btrfs out of static builds (it needs cgo) and
 # stamps the version like this.
 build_containerd() {
@@ -598,6 +616,7 @@ main() {
   ((WITH_NODE)) && build_dra_driver
   ((WITH_NODE)) && fetch_nvidia_crds
   ((WITH_NODE)) && build_scheduler_plugins
+  ((WITH_NODE)) && build_kwok
   ((WITH_NODE)) && install_node_packages
   ((WITH_PROMETHEUS)) && install_prometheus
   log "done in $((SECONDS - START_SECONDS))s"

@@ -9,7 +9,7 @@ Nothing is reserved here: the operator records the answer.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from meshtrain.placement import fabric_cost, topology, values
 
@@ -43,7 +43,9 @@ def plan(
     for order, unit in _orders(request):
         assignment: list[str] = [""] * request.pods
         _fill(fabric.root, order, 0, request.pods, unit, assignment)
-        candidate = _priced(assignment, edges, fabric.paths, fabric.keys, fabric.weights, levels)
+        candidate = fabric_cost.priced(
+            assignment, edges, fabric.paths, fabric.keys, fabric.weights, levels
+        )
         if best is None or candidate.cost < best.cost:
             best = candidate
     assert best is not None
@@ -73,7 +75,7 @@ def first_fit(
     assignment = assignment[: request.pods]
     paths = topology.paths(nodes, slots, levels, request.nvlink_domain_label)
     keys = topology.level_keys(levels, request.nvlink_domain_label)
-    return _priced(
+    return fabric_cost.priced(
         assignment, fabric_cost.pod_traffic(request), paths, keys, topology.weights(levels), levels
     )
 
@@ -281,26 +283,3 @@ def _footprint(domain: topology.Domain, start: int, count: int, unit: int) -> tu
             ):
                 stack.append((child, child_start, child_count, depth + 1))
     return tuple(used)
-
-
-def _priced(
-    assignment: Sequence[str],
-    edges: Sequence[fabric_cost.Edge],
-    paths: Mapping[str, tuple[str, ...]],
-    keys: Sequence[str],
-    level_weights: Sequence[float],
-    levels: Sequence[values.FabricLevel],
-) -> values.Placement:
-    """A Placement for ``assignment`` with its modelled traffic, cost and spread."""
-    pod_paths = [paths[name] for name in assignment]
-    crossed, total = fabric_cost.evaluate(edges, pod_paths, level_weights)
-    used = {
-        key: len({path[: depth + 1] for path in pod_paths}) for depth, key in enumerate(keys[:-1])
-    }
-    return values.Placement(
-        nodes=tuple(assignment),
-        level_bytes=dict(zip(keys, crossed)),
-        cost=total,
-        levels=tuple(levels),
-        domains_used=used,
-    )

@@ -6,12 +6,13 @@ fixed rank layout: each gradient ring over the data x context ranks holding the 
 context-parallel ring in cp order (ring attention's K/V), each rank with its next-stage peer (tensor-parallel traffic never leaves a
 pod, so placement cannot change it and it is not counted).
 :func:`evaluate` prices them at the highest fabric level the two nodes' paths differ at,
-``bytes x weight(level)``.
+``bytes x weight(level)``.  :func:`bound` prices any pod-to-node assignment (one the cluster
+actually bound, Kueue's or meshtrain's) the way :func:`~.algorithm.plan` prices its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from meshtrain.placement import topology, values
 
@@ -59,3 +60,49 @@ def evaluate(
     for pod_a, pod_b, size in edges:
         crossed[topology.crossing(pod_paths[pod_a], pod_paths[pod_b])] += size
     return crossed, sum(size * weight for size, weight in zip(crossed, level_weights))
+
+
+def bound(
+    request: values.PlacementRequest, nodes: Iterable[values.Node], assignment: Sequence[str]
+) -> values.Placement:
+    """The placement's cost model applied to ``assignment`` (pod i on node ``assignment[i]``).
+
+    Levels and weights are the ones :func:`~.algorithm.plan` uses for ``request`` on ``nodes``
+    (the request's levels, else the label family detected on ``nodes``), so for a plan's own
+    nodes this returns that plan's :class:`~.values.Placement`.  ``nodes`` must hold every
+    assigned node; free capacity and eligibility are not checked (the cluster already bound
+    the pods).
+    """
+    nodes = list(nodes)
+    if len(assignment) != request.pods:
+        raise ValueError(f"assignment names {len(assignment)} nodes for {request.pods} pods")
+    levels = request.levels or topology.detect_levels(nodes)
+    paths = topology.paths(nodes, set(assignment), levels, request.nvlink_domain_label)
+    missing = sorted(set(assignment) - paths.keys())
+    if missing:
+        raise ValueError(f"assignment names nodes not given: {', '.join(missing[:5])}")
+    keys = topology.level_keys(levels, request.nvlink_domain_label)
+    return priced(assignment, pod_traffic(request), paths, keys, topology.weights(levels), levels)
+
+
+def priced(
+    assignment: Sequence[str],
+    edges: Sequence[Edge],
+    paths: Mapping[str, tuple[str, ...]],
+    keys: Sequence[str],
+    level_weights: Sequence[float],
+    levels: Sequence[values.FabricLevel],
+) -> values.Placement:
+    """A Placement for ``assignment`` with its modelled traffic, cost and spread."""
+    pod_paths = [paths[name] for name in assignment]
+    crossed, total = evaluate(edges, pod_paths, level_weights)
+    used = {
+        key: len({path[: depth + 1] for path in pod_paths}) for depth, key in enumerate(keys[:-1])
+    }
+    return values.Placement(
+        nodes=tuple(assignment),
+        level_bytes=dict(zip(keys, crossed)),
+        cost=total,
+        levels=tuple(levels),
+        domains_used=used,
+    )

@@ -678,3 +678,71 @@ def test_a_status_claiming_more_domains_than_a_gang_can_have_is_read_only_to_the
     read = kueue_topology.read(huge)
     assert read is not None
     assert len(read.domains) == kueue_topology.MAX_DOMAINS
+
+
+CLIQUE = "nvidia.com/gpu.clique"
+CLIQUE_LABELS = {f"n{i}": {HOST: f"n{i}", CLIQUE: f"c{i // 2}"} for i in range(4)}
+"""Four 4-GPU hosts in two NVLink domains of two."""
+
+
+def _sliced() -> kueue_topology.Assignment:
+    # what Kueue admits for a pod set of 4 with podSetSliceRequiredTopology=clique, size 2
+    compressed = {
+        "levels": [HOST],
+        "slices": [
+            {
+                "domainCount": 4,
+                "podCounts": {"universal": 1},
+                "valuesPerLevel": [{"individual": {"prefix": "n", "roots": ["0", "1", "2", "3"]}}],
+            }
+        ],
+    }
+    request = {"preferred": CLIQUE, "podSetSliceRequiredTopology": CLIQUE, "podSetSliceSize": 2}
+    found = kueue_topology.read(compressed, request)
+    assert found is not None
+    return found
+
+
+def test_the_stage_slice_kueue_admitted_is_read_with_the_assignment() -> None:
+    assert _sliced().stage_slice == (CLIQUE, 2)
+    workload = _admitted_workload(KUEUE_CASES[3][0])
+    request = {"podSetSliceRequiredTopology": CLIQUE, "podSetSliceSize": 2}
+    workload["spec"] = {"podSets": [{"name": kueue_workload.POD_SET, "topologyRequest": request}]}
+    found = kueue_workload.state(workload)
+    assert isinstance(found, kueue_workload.Admitted) and found.topology is not None
+    assert found.topology.stage_slice == (CLIQUE, 2)
+    unsliced = kueue_topology.read(KUEUE_CASES[3][0], {"preferred": CLIQUE})
+    assert unsliced is not None and unsliced.stage_slice is None
+
+
+def test_a_plan_splitting_a_stage_kueue_admitted_as_a_slice_is_a_conflict() -> None:
+    assignment = _sliced()
+    # counts kept (one pod per host), but stage 0 (pods 0-1) on n0 and n2: two NVLink domains
+    split = kueue_topology.conflict(("n0", "n2", "n1", "n3"), CLIQUE_LABELS, assignment, 0)
+    assert split is not None and "pods 0-1 (one pipeline stage) span" in split and "c0, c1" in split
+    assert kueue_topology.conflict(("n1", "n0", "n3", "n2"), CLIQUE_LABELS, assignment, 0) is None
+    # meshtrain's own plan inside the assignment keeps each stage in one domain
+    spec = loading.parse_spec(
+        JobBuilder()
+        .layout(data=8, pipeline=2, gpus_per_node=4)
+        .topology(nvlinkDomainLabel=CLIQUE)
+        .raw()
+    )
+    offered = [placement.Node(name, 4, labels) for name, labels in CLIQUE_LABELS.items()]
+    kept = kueue_topology.restrict(offered, assignment, gpus_per_pod=4)
+    plan = placement.plan(placement_request.request_from_spec(spec), kept, [])
+    assert isinstance(plan, placement.Placement)
+    assert kueue_topology.conflict(plan.nodes, CLIQUE_LABELS, assignment, 0) is None
+
+
+def test_a_required_level_the_topology_lacks_creates_no_workload() -> None:
+    zone = "example.com/power-zone"
+    spec = _spec(levels=[{"label": RACK}, {"label": zone, "mode": "required"}])
+    problem = kueue_topology.unknown_required(spec, (BLOCK, RACK, HOST))
+    assert problem is not None
+    assert f"spec.topology.levels[1].label '{zone}' is required" in problem and RACK in problem
+    # the Topology has it, or the queue has no TAS: nothing to refuse
+    assert kueue_topology.unknown_required(spec, (RACK, zone, HOST)) is None
+    assert kueue_topology.unknown_required(spec, ()) is None
+    preferred = _spec(levels=[{"label": zone}])
+    assert kueue_topology.unknown_required(preferred, (BLOCK, RACK, HOST)) is None

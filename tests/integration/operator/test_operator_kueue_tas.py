@@ -5,9 +5,8 @@ Eight nodes of 8 GPUs in two blocks of two leaves (NVIDIA's network.topology lab
 both meshtrain and Kueue's Topology read), the lowest Topology level the hostname.  The job's
 Workload asks Kueue for topology (its required leaf), Kueue admits it with a topologyAssignment,
 and the gang's planned nodes (status.placement, and each pod's node affinity) lie in Kueue's
-domains with Kueue's counts, read from the Workload's status.  A job whose meshtrain rule (a
-required level the Topology does not have) cannot be kept inside Kueue's assignment stays
-unplaced with TopologyAssignmentConflict.
+domains with Kueue's counts, read from the Workload's status.  A job requiring a level the
+Topology does not have gets no Workload (Kueue could not keep it) and waits, saying why.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from typing import Any
 import kubernetes
 import pytest
 
-from meshtrain.operator.policy import kueue_topology, kueue_workload
+from meshtrain.operator.policy import conditions, kueue_topology, kueue_workload
 from meshtrain.sandbox import controlplane
 from meshtrain.sandbox.controlplane import kueue
 from tests.builders import POOL_LABEL, JobBuilder
@@ -214,22 +213,18 @@ def test_the_gang_lies_in_kueue_s_assigned_domains_with_kueue_s_counts(tas) -> N
         assert workload == kueue_workload.workload_name("fits")
 
 
-def test_a_rule_meshtrain_cannot_keep_inside_kueue_s_assignment_leaves_the_job_unplaced(
-    tas,
-) -> None:
+def test_a_required_level_kueue_s_topology_lacks_is_never_queued(tas) -> None:
+    # meshtrain requires one power zone, which Kueue's Topology does not know: Kueue could only
+    # be asked to prefer the leaf, admit the gang across two zones and hold the quota while the
+    # gang can never be placed there, so no Workload is created and the job waits, saying why.
     cluster, _ = tas
-    # meshtrain requires one power zone, which Kueue's Topology does not know: Kueue packs the
-    # gang into a leaf (preferred): the gang fills both of its nodes, in two zones.
     _apply(cluster, _job("split", [{"label": LEAF}, {"label": ZONE, "mode": "required"}]))
-    assert _topology_request(cluster, "split") == {"preferred": LEAF}
-    assignment = _admitted_assignment(cluster, "split")
-    labels = _node_labels(cluster)
-    assigned = {d.values for d in assignment.domains}
-    nodes = [n for n in labels if tuple(labels[n][k] for k in assignment.levels) in assigned]
-    assert len({labels[n][ZONE] for n in nodes}) == 2, assignment.describe()
-    placed = cluster.wait_reason(NS, "split", "Placed", kueue_topology.CONFLICT, timeout=60)
-    assert placed["status"] == "False" and "topologyAssignment" in placed["message"]
-    assert cluster.events(NS, "split", kueue_topology.CONFLICT)
+    queued = cluster.wait_reason(
+        NS, "split", conditions.QUEUED, kueue_workload.WORKLOAD_REJECTED, timeout=60
+    )
+    assert queued["status"] == "True", queued
+    assert "spec.topology.levels[1].label" in queued["message"] and ZONE in queued["message"]
+    assert cluster.workload(NS, "split") is None
     assert cluster.pods(NS, "split") == []
 
 

@@ -40,7 +40,8 @@ ACTIONS = (
 
 
 class Rejected(Exception):
-    """The API server refused to create the job's Workload (a 4xx that retrying does not fix)."""
+    """The job's Workload is not created: the API server refused it (a 4xx that retrying does
+    not fix), or its queue's TAS Topology cannot keep a required level."""
 
 
 async def default_queue(
@@ -163,6 +164,9 @@ async def perform(
             logger.warning("%s/%s: %s", ref.namespace, ref.name, message)
             if warn is not None:
                 await warn(kueue_topology.UNREAD, message)
+        unknown = kueue_topology.unknown_required(job.declared, levels)
+        if unknown is not None:
+            raise Rejected(unknown)
         manifest = kueue_workload.build_workload(
             ref, job.declared, queue, template, action.priority, levels
         )

@@ -53,6 +53,10 @@ class Assignment:
     """Node labels of the assigned levels, highest first (the lowest is often the hostname)."""
     domains: tuple[Domain, ...]
     """Every assigned domain, in Kueue's order."""
+    stage_slice: tuple[str, int] | None = None
+    """The pod set's ``podSetSliceRequiredTopology`` and ``podSetSliceSize`` (None: no slices):
+    Kueue admitted each run of that many pods inside one domain of that level, so the plan must
+    keep each pipeline stage (what :func:`topology_request` asks a slice to be) in one."""
 
     @property
     def total(self) -> int:
@@ -85,12 +89,15 @@ MAX_DOMAINS = limits.MAX_WORLD_SIZE + limits.MAX_SPARE_NODES
 more; a longer status is not a gang's, and its counts then fail the plan's check (a conflict)."""
 
 
-def read(assignment: Mapping[str, Any] | None) -> Assignment | None:
+def read(
+    assignment: Mapping[str, Any] | None, request: Mapping[str, Any] | None = None
+) -> Assignment | None:
     """The domains and counts of a ``topologyAssignment`` (Kueue v1beta2's slices), or None.
 
     Decoded as Kueue's ``tas.InternalSeqFrom`` does: each slice covers ``domainCount``
     domains; each level's value is universal or prefix + root + suffix; counts universal or
-    individual.
+    individual.  ``request``, the pod set's ``topologyRequest``, gives the stage slice Kueue
+    kept (:attr:`Assignment.stage_slice`).
     """
     if not assignment:
         return None
@@ -108,7 +115,11 @@ def read(assignment: Mapping[str, Any] | None) -> Assignment | None:
                     int(count if count is not None else counts["individual"][index]),
                 )
             )
-    return Assignment(levels, tuple(domains)) if levels else None
+    if not levels:
+        return None
+    level, size = (request or {}).get("podSetSliceRequiredTopology"), (request or {}).get("podSetSliceSize")  # fmt: skip
+    stage_slice = (str(level), size) if level and type(size) is int and size > 1 else None
+    return Assignment(levels, tuple(domains), stage_slice)
 
 
 def tas_levels(topology: Mapping[str, Any] | None) -> tuple[str, ...]:
@@ -161,6 +172,28 @@ def topology_request(
         request["podSetSliceRequiredTopology"] = nvlink
         request["podSetSliceSize"] = stage_pods
     return request
+
+
+def unknown_required(spec: api_spec.TrainingJobSpec, levels: Sequence[str]) -> str | None:
+    """Why no Workload may be created for ``spec`` in a queue whose TAS Topology has ``levels``
+    (() : no TAS), or None.
+
+    A ``required`` level the Topology lacks cannot be asked of Kueue (:func:`topology_request`
+    leaves it out), so Kueue would admit the gang anywhere its own request allows and hold the
+    quota while the gang could never be placed inside the assignment.
+    """
+    if not levels:
+        return None
+    for index, level in enumerate(spec.topology.levels):
+        if level.mode == "required" and level.label not in levels:
+            return (
+                f"spec.topology.levels[{index}].label {level.label!r} is required, but the Kueue "
+                f"TAS Topology of the job's queue has the levels {', '.join(levels)}: Kueue could "
+                "not keep the gang in one such domain, so no Workload is created; make the level "
+                "preferred, require a level the Topology has, or add the label to the Topology "
+                "(checked again with backoff)"
+            )
+    return None
 
 
 def _in(node: placement.Node, assignment: Assignment) -> tuple[str, ...] | None:
@@ -299,6 +332,29 @@ def conflict(
             f"{len(nodes)} pod(s) planned where Kueue assigned {assignment.total} "
             f"({assignment.describe()}); the gang must fill the assignment exactly"
         )
+    return split_stage(nodes, labels, assignment)
+
+
+def split_stage(
+    nodes: Sequence[str], labels: Mapping[str, Mapping[str, str]], assignment: Assignment
+) -> str | None:
+    """Why a plan's ``nodes`` break the stage slices Kueue admitted, or None.
+
+    Each run of ``podSetSliceSize`` pods (a pipeline stage: ``topology_request`` asks for no
+    other slice) must share one domain of ``podSetSliceRequiredTopology``, as Kueue promised
+    when it admitted the slices; a node without that label is no domain.
+    """
+    if assignment.stage_slice is None:
+        return None
+    level, size = assignment.stage_slice
+    for start in range(0, len(nodes) - size + 1, size):
+        domains = {(labels.get(name) or {}).get(level, "") for name in nodes[start : start + size]}
+        if len(domains) > 1 or "" in domains:
+            shown = ", ".join(sorted(d or "<none>" for d in domains)[:4])
+            return (
+                f"pods {start}-{start + size - 1} (one pipeline stage) span {level} domains "
+                f"{shown}; Kueue admitted each stage as a slice inside one {level} domain"
+            )
     return None
 
 

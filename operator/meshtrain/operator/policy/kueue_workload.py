@@ -513,6 +513,14 @@ def _condition(workload: Mapping[str, Any], type_: str) -> Mapping[str, Any] | N
     return found if found and found.get("status") == conditions.TRUE else None
 
 
+def _topology_request(workload: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The ``topologyRequest`` of the Workload's gang pod set (None: none asked)."""
+    for pod_set in (workload.get("spec") or {}).get("podSets") or []:
+        if pod_set.get("name") == POD_SET:
+            return pod_set.get("topologyRequest") or None
+    return None
+
+
 def state(workload: Mapping[str, Any]) -> State:
     """What Kueue says of ``workload`` (as read from the API server)."""
     status = workload.get("status") or {}
@@ -544,7 +552,9 @@ def state(workload: Mapping[str, Any]) -> State:
             (ready.get("status", ""), ready.get("reason", "")) if ready else None,
             tuple(sorted(set(assigned))),
             counts[0] if counts else None,
-            kueue_topology.read(ours[0].get("topologyAssignment")) if ours else None,
+            kueue_topology.read(ours[0].get("topologyAssignment"), _topology_request(workload))
+            if ours
+            else None,
         )
     reserved = conditions.find(status.get("conditions") or [], QUOTA_RESERVED) or {}
     return Waiting(

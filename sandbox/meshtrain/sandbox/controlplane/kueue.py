@@ -3,7 +3,8 @@
 It installs the CRDs the bootstrap copied from the pinned release, serves Kueue's webhooks on
 loopback with a certificate of the control plane's CA (Kueue's own rotation needs a Service and a
 Secret, which a control plane without nodes cannot serve), and registers the job kinds it is given
-as external frameworks, whose controllers create their own Workloads (docs/controlplane.md).
+as external frameworks, whose controllers create their own Workloads, and turns on the Kueue job
+integrations it is asked for (e.g. ``batch/job``) with their webhooks (docs/controlplane.md).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ NAMESPACE = "kueue-system"
 # Without its own certificate management Kueue reads a metrics-server certificate from this
 # fixed path, even with metrics off; any valid pair will do.
 METRICS_CERT_DIR = pathlib.Path("/etc/kueue/metrics/certs")
+FRAMEWORK_GROUPS = {"batch/job": "batch"}
+"""API group of each Kueue job integration :class:`Kueue` can turn on (its webhooks are kept)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +59,12 @@ def locate() -> Files:
 
 
 def _config(
-    *, webhook_port: int, health_port: int, cert_dir: pathlib.Path, external: Sequence[str]
+    *,
+    webhook_port: int,
+    health_port: int,
+    cert_dir: pathlib.Path,
+    external: Sequence[str],
+    frameworks: Sequence[str],
 ) -> dict[str, Any]:
     return {
         "apiVersion": "config.kueue.x-k8s.io/v1beta2",
@@ -68,25 +76,25 @@ def _config(
         "leaderElection": {"leaderElect": False},
         "internalCertManagement": {"enable": False},
         # Job kinds whose controllers create their own Workloads (Kind.version.group).
-        "integrations": {"externalFrameworks": list(external)},
+        "integrations": {"frameworks": list(frameworks), "externalFrameworks": list(external)},
     }
 
 
 def _webhook_configurations(
-    path: pathlib.Path, base_url: str, ca_bundle: str
+    path: pathlib.Path, base_url: str, ca_bundle: str, groups_kept: frozenset[str]
 ) -> list[dict[str, Any]]:
-    """Kueue's own webhooks (its kueue.x-k8s.io objects) pointed at ``base_url``.
+    """Kueue's webhooks for ``groups_kept`` (its own kueue.x-k8s.io and its on integrations').
 
     The release's manifests also carry webhooks for every job framework Kueue integrates
-    (pods, batch Jobs, ...); those integrations are off here, so their webhooks are dropped
-    rather than left to refuse every pod.
+    (pods, batch Jobs, ...); the integrations that are off have their webhooks dropped rather
+    than left to refuse every pod.
     """
     documents = [d for d in yaml.safe_load_all(path.read_text()) if d]
     for document in documents:
         kept = []
         for hook in document.get("webhooks") or []:
             groups = {g for rule in hook.get("rules") or [] for g in rule.get("apiGroups") or []}
-            if groups != {"kueue.x-k8s.io"}:
+            if not groups <= groups_kept:
                 continue
             service = hook["clientConfig"].pop("service")
             hook["clientConfig"] = {"url": base_url + service["path"], "caBundle": ca_bundle}
@@ -105,9 +113,17 @@ class Kueue:
         work_dir: pathlib.Path,
         external_frameworks: Sequence[str],
         config: Mapping[str, Any] | None = None,
+        frameworks: Sequence[str] = (),
     ) -> None:
+        unknown = sorted(set(frameworks) - FRAMEWORK_GROUPS.keys())
+        if unknown:
+            raise ValueError(
+                f"Kueue integrations {unknown} unknown here; known: {sorted(FRAMEWORK_GROUPS)}"
+            )
         self.files = locate()
         self.external_frameworks = tuple(external_frameworks)
+        self.frameworks = tuple(frameworks)
+        """Kueue's own job integrations turned on (keys of :data:`FRAMEWORK_GROUPS`)."""
         self.extra_config = dict(config or {})
         """Fields of Kueue's Configuration a cluster sets (e.g. waitForPodsReady)."""
         self.kubeconfig, self.kubectl = plane.kubeconfig_path, plane.binaries.kubectl
@@ -149,6 +165,7 @@ class Kueue:
                     health_port=health_port,
                     cert_dir=cert_dir,
                     external=self.external_frameworks,
+                    frameworks=self.frameworks,
                 )
                 | self.extra_config
             )
@@ -170,8 +187,9 @@ class Kueue:
         self._wait(lambda: _ok(f"http://127.0.0.1:{health_port}/readyz"), timeout, "ready")
 
         ca = base64.b64encode((self.pki_dir / "ca.crt").read_bytes()).decode()
+        kept = frozenset({"kueue.x-k8s.io", *(FRAMEWORK_GROUPS[f] for f in self.frameworks)})
         hooks = _webhook_configurations(
-            self.files.webhooks, f"https://127.0.0.1:{webhook_port}", ca
+            self.files.webhooks, f"https://127.0.0.1:{webhook_port}", ca, kept
         )
         self._kubectl("apply", "--server-side", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": hooks}))  # fmt: skip
         probe = {

@@ -74,6 +74,7 @@ class ControlPlane:
         extra_apiserver_args: Sequence[str] = (),
         extra_scheduler_args: Sequence[str] = (),
         bind_address: str = "127.0.0.1",
+        extra_controller_manager_args: Sequence[str] = (),
     ) -> None:
         """Configure; nothing starts before :meth:`start`.
 
@@ -86,6 +87,8 @@ class ControlPlane:
         ``startup_timeout``: seconds each component gets to become ready.
         ``extra_apiserver_args``: appended to kube-apiserver's command line.
         ``extra_scheduler_args``: appended to kube-scheduler's (e.g. ``--feature-gates``).
+        ``extra_controller_manager_args``: appended to kube-controller-manager's (e.g.
+        ``--controllers=job-controller`` beside simulated nodes no lifecycle may evict).
         ``bind_address``: where kube-apiserver listens and what it advertises to
         pods (the sandbox's node needs an address its pods can route to).
         """
@@ -97,6 +100,7 @@ class ControlPlane:
         self._startup_timeout = startup_timeout
         self._extra_apiserver_args = tuple(extra_apiserver_args)
         self._extra_scheduler_args = tuple(extra_scheduler_args)
+        self._extra_controller_manager_args = tuple(extra_controller_manager_args)
         self._bind_address = bind_address
         self._components: list[_Component] = []
         self._data_dir: pathlib.Path | None = None
@@ -453,6 +457,7 @@ class ControlPlane:
             f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
             f"--cluster-signing-cert-file={material.ca.cert}",
             f"--cluster-signing-key-file={material.ca.key}",
+            *self._extra_controller_manager_args,
         ]
         return command, _healthz(port)
 

@@ -1,0 +1,330 @@
+"""The operator under churn: the trace's TrainingJobs on the KWOK fleet, the real kube-scheduler
+binding their pods, KWOK ending them on the trace's schedule, the operator as a user runs it.
+
+It measures apply -> all pods running by job size (p50/p95/p99), placements per second, API
+requests per second (the API server's own ``apiserver_request_total`` and the operator's
+``meshtrain_operator_api_requests_total``), the operator's RSS and CPU, the longest wait of the
+largest gangs, events dropped (Events the operator failed to write, watch relists), and plans per
+capacity change that could admit a waiting job (from the operator's placement histogram). It writes
+``benchmarks/results/churn-<host>.json`` and prints a table.
+
+    python -m benchmarks.fleet.churn [--nodes 1024] [--minutes 25] [--drain-minutes 3]
+        [--compression 60] [--load 1.1] [--seed 36]
+
+Needs the full bootstrap's ``kwok`` (``make bootstrap``). ``make bench-churn`` runs it; never CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import pathlib
+import re
+import signal
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import kubernetes
+
+from benchmarks import bench_operator, bench_operator_scale, machine
+from benchmarks.fleet import kwok, observe, trace
+from meshtrain.sandbox import controlplane
+from meshtrain.sandbox.controlplane.ports import pick_free_port
+
+CHART_MEMORY_MB = 512
+"""The chart's memory limit of the operator (charts/meshtrain/values.yaml: 512Mi)."""
+GANG_TARGET_GPUS, GANG_TARGET_SECONDS = 128 * kwok.GPUS_PER_NODE, 5.0
+"""The issue's target: p99 apply -> all running of a 128-pod gang under 5 s when capacity exists."""
+SAMPLE_SECONDS = 2.0
+OPERATOR_FLAGS = (
+    *("--standalone", "--log-format=text", "--resync-seconds=300"),
+    "--progress-seconds=3600",  # KWOK's pods serve no /progress: do not poll them
+    "--gpu-profile=none",  # the fleet's nodes name no GPU product: admit memory unchecked
+)
+"""``meshtrain operator`` as the benchmark runs it (one replica, no leader election)."""
+
+
+def _operator_metrics(port: int) -> dict[str, float]:
+    """Plans (placement histogram count), placement failures and API requests, from /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+
+    def total(pattern: str) -> float:
+        return sum(float(v) for v in re.findall(pattern, text, re.M))
+
+    return {
+        "plans": total(
+            r"^meshtrain_operator_placement_duration_seconds_count(?:\{[^}]*\})? (\S+)$"
+        ),
+        "placement_failures": total(
+            r"^meshtrain_operator_placement_failures_total\{[^}]*\} (\S+)$"
+        ),
+        "api_requests": total(r"^meshtrain_operator_api_requests_total\{[^}]*\} (\S+)$"),
+        "reconciles": total(
+            r"^meshtrain_operator_reconcile_duration_seconds_count(?:\{[^}]*\})? (\S+)$"
+        ),
+    }
+
+
+def _apiserver_requests(plane: controlplane.ControlPlane) -> float:
+    """Requests the API server has served (``apiserver_request_total``, every verb and code)."""
+    body = plane.admin_client().request("GET", "/metrics", timeout=30).body
+    text = body if isinstance(body, str) else str(body)
+    return sum(
+        float(v) for v in re.findall(r"^apiserver_request_total\{[^}]*\} (\S+)$", text, re.M)
+    )
+
+
+class _Process:
+    """RSS and CPU of one process, sampled."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak_rss_mb = pid, 0.0
+        self.rss: list[float] = []
+        self.cpu_start = bench_operator._cpu_seconds(pid)
+
+    def sample(self) -> None:
+        with contextlib.suppress(OSError, RuntimeError):
+            rss = bench_operator._rss_mb(self.pid)
+            self.rss.append(rss)
+            self.peak_rss_mb = max(self.peak_rss_mb, rss)
+
+    def cpu_seconds(self) -> float:
+        return bench_operator._cpu_seconds(self.pid) - self.cpu_start
+
+
+def _submit(
+    custom: Any, jobs: list[trace.Job], seen: observe.Observer, stop: threading.Event
+) -> None:
+    """Apply each job at its arrival time (late when the API server is slow: the lag is recorded)."""
+    started = time.monotonic()
+    for job in jobs:
+        delay = job.arrival - (time.monotonic() - started)
+        if delay > 0 and stop.wait(delay):
+            return
+        seen.applied(job.name, job.gpus)
+        custom.create_namespaced_custom_object(
+            bench_operator.GROUP,
+            bench_operator.VERSION,
+            trace.NAMESPACE,
+            bench_operator.PLURAL,
+            job.manifest(),
+        )
+
+
+def _summary(seen: observe.Observer, shape: kwok.Shape, end: float) -> dict[str, Any]:
+    by_size: dict[str, Any] = {}
+    for size in trace.SIZES:
+        records = [r for r in seen.jobs.values() if r.gpus == size]
+        if not records:
+            continue
+        started = [r.all_running - r.applied for r in records if r.all_running is not None]
+        roomy = [
+            r.all_running - r.applied
+            for r in records
+            if r.all_running is not None and r.room_at_apply
+        ]
+        waits = [(r.all_running or end) - r.applied for r in records]
+        by_size[str(size)] = {
+            "jobs": len(records),
+            "started": len(started),
+            "apply_to_all_running_seconds": observe.percentiles(started),
+            "with_room_at_apply_seconds": observe.percentiles(roomy),
+            "longest_wait_seconds": max(waits),
+        }
+    changes = seen.changes
+    return {
+        "by_size": by_size,
+        "capacity_changes": len(changes),
+        "admissible_wakeups": sum(c.could_admit() for c in changes),
+        "minutes_above_80_percent": observe.allocated_minutes(seen.samples, shape.gpus, 0.8),
+        "peak_waiting_jobs": max((w for _, _, w in seen.samples), default=0),
+        "mean_allocated_share": (
+            sum(a for _, a, _ in seen.samples) / len(seen.samples) / shape.gpus
+            if seen.samples
+            else 0.0
+        ),
+        "watch_restarts": seen.watch_restarts,
+    }
+
+
+def _log_counts(log: pathlib.Path) -> dict[str, int]:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return {
+        "events_not_written": text.count("could not record event"),
+        "watch_relists": max(0, text.count("cache of pods filled") - 1)
+        + max(0, text.count("cache of nodes filled") - 1),
+        "watch_failures": text.count("watch of "),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    shape = kwok.Shape(nodes=args.nodes)
+    spec = trace.Trace(
+        shape,
+        seed=args.seed,
+        wall_seconds=args.minutes * 60,
+        compression=args.compression,
+        load=args.load,
+    )
+    jobs = trace.held(spec, args.waiting) if args.waiting else list(trace.jobs(spec))
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench-churn-"))
+    log = workdir / "operator.log"
+    results: dict[str, Any] = {
+        "trace": {
+            "source": "Kokolis et al. 2024 (Meta RSC-1/RSC-2) size mix and series failure model; "
+            "Llama 3 16k-GPU run failure rate (419 interruptions / 54 days)",
+            "seed": args.seed,
+            "minutes": args.minutes,
+            "compression": args.compression,
+            "load": args.load,
+            "jobs": len(jobs),
+            "failing_jobs": sum(j.fail_after is not None for j in jobs),
+            "gpus_asked": sum(j.gpus for j in jobs),
+        },
+        "fleet": {
+            "nodes": shape.nodes,
+            "gpus": shape.gpus,
+            **{k: v for k, v in kwok.domains(shape)},
+        },
+    }
+    kwok.binary()  # fails naming `make bootstrap` before anything starts
+    with contextlib.ExitStack() as stack:
+        plane = stack.enter_context(controlplane.ControlPlane(with_scheduler=True))
+        kubeconfig = plane.kubeconfig_path
+        api = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
+        core, custom = kubernetes.client.CoreV1Api(api), kubernetes.client.CustomObjectsApi(api)
+        bench_operator._install(api, str(kubeconfig), str(plane.binaries.kubectl))
+        core.create_namespace({"metadata": {"name": trace.NAMESPACE}})
+        stack.enter_context(kwok.Kwok(kubeconfig, workdir))
+        results["fleet"]["register_seconds"] = asyncio.run(kwok.create_nodes(kubeconfig, shape))
+        print(
+            f"fleet of {shape.nodes} nodes registered in {results['fleet']['register_seconds']:.0f} s",
+            flush=True,
+        )
+        metrics_port = pick_free_port()
+        process, _ = bench_operator._start_operator(
+            str(kubeconfig),
+            log,
+            *OPERATOR_FLAGS,
+            metrics_port=metrics_port,
+            scope=(f"--namespace={trace.NAMESPACE}",),
+        )
+        stack.callback(_stop_operator, process)
+        bench_operator_scale._wait_log(log, "cache of pods filled", 600)
+        operator = _Process(process.pid)
+        seen = observe.Observer(api, trace.NAMESPACE, shape.gpus)
+        seen.start()
+        stack.callback(seen.stop)
+        before = {**_operator_metrics(metrics_port), "apiserver": _apiserver_requests(plane)}
+        stop = threading.Event()
+        submitter = threading.Thread(target=_submit, args=(custom, jobs, seen, stop), daemon=True)
+        started = time.monotonic()
+        submitter.start()
+        end = started + (args.minutes + args.drain_minutes) * 60
+        while time.monotonic() < end:
+            time.sleep(SAMPLE_SECONDS)
+            seen.sample()
+            operator.sample()
+            if args.progress and len(seen.samples) % 15 == 0:
+                held, waiting = seen.samples[-1][1], seen.samples[-1][2]
+                print(
+                    f"{time.monotonic() - started:6.0f} s: {held / shape.gpus:5.1%} allocated, "
+                    f"{waiting} waiting, operator RSS {operator.rss[-1] if operator.rss else 0:.0f} MB",
+                    flush=True,
+                )
+        stop.set()
+        wall = time.monotonic() - started
+        after = {**_operator_metrics(metrics_port), "apiserver": _apiserver_requests(plane)}
+        results["wall_seconds"] = wall
+        results["operator"] = {
+            "peak_rss_mb": operator.peak_rss_mb,
+            "cpu_seconds": operator.cpu_seconds(),
+            "cpu_cores_mean": operator.cpu_seconds() / wall,
+        }
+        delta = {k: after[k] - before[k] for k in after}
+        results["operator"]["metrics_delta"] = delta
+        results.update(_summary(seen, shape, time.monotonic()))
+        placed = sum(1 for r in seen.jobs.values() if r.all_running is not None)
+        results["placements_per_second"] = placed / wall
+        results["plans_per_second"] = delta["plans"] / wall
+        results["apiserver_requests_per_second"] = delta["apiserver"] / wall
+        results["operator_requests_per_second"] = delta["api_requests"] / wall
+        waiting_plans = delta["placement_failures"]  # a waiting job counts once per plan
+        results["plans_of_waiting_jobs"] = waiting_plans
+        results["plans_per_admissible_wakeup"] = waiting_plans / max(
+            1, results["admissible_wakeups"]
+        )
+        results["dropped"] = _log_counts(log)
+        results["load_average_end"] = os.getloadavg()
+        results["operator_log"] = str(log)
+    return results
+
+
+def _stop_operator(process: Any) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except Exception:  # noqa: BLE001 - it would not stop: kill it
+        process.kill()
+
+
+def _print(results: dict[str, Any]) -> None:
+    print(
+        f"{'job GPUs':>8} {'jobs':>6} {'started':>8} {'p50 s':>8} {'p95 s':>8} {'p99 s':>8} {'longest wait s':>15}"
+    )
+    for size, row in results["by_size"].items():
+        p = row["apply_to_all_running_seconds"]
+        print(
+            f"{size:>8} {row['jobs']:>6} {row['started']:>8} {p.get('p50', float('nan')):>8.1f} "
+            f"{p.get('p95', float('nan')):>8.1f} {p.get('p99', float('nan')):>8.1f} {row['longest_wait_seconds']:>15.0f}"
+        )
+    op = results["operator"]
+    print(
+        f"operator peak RSS {op['peak_rss_mb']:.0f} MB (chart limit {CHART_MEMORY_MB}), "
+        f"CPU {op['cpu_cores_mean']:.2f} cores mean"
+    )
+    print(
+        f"placements/s {results['placements_per_second']:.2f}, plans/s {results['plans_per_second']:.2f}, "
+        f"API server requests/s {results['apiserver_requests_per_second']:.1f}, "
+        f"operator requests/s {results['operator_requests_per_second']:.1f}"
+    )
+    print(
+        f"minutes above 80% allocated {results['minutes_above_80_percent']:.1f}, "
+        f"plans per admissible wake-up {results['plans_per_admissible_wakeup']:.2f}, dropped {results['dropped']}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=1024)
+    parser.add_argument("--minutes", type=float, default=25.0, help="wall minutes of arrivals")
+    parser.add_argument("--drain-minutes", type=float, default=3.0)
+    parser.add_argument("--compression", type=float, default=60.0)
+    parser.add_argument("--load", type=float, default=1.1)
+    parser.add_argument("--seed", type=int, default=36)
+    parser.add_argument(
+        "--waiting",
+        type=int,
+        default=0,
+        help="instead of the trace: fill the fleet and queue this many jobs, none ending "
+        "(the operator's memory at rest)",
+    )
+    parser.add_argument("--name", default="churn", help="results file name (churn-<host>.json)")
+    parser.add_argument("--progress", action="store_true", help="print allocation every 30 s")
+    args = parser.parse_args(argv)
+    results = run(args)
+    path = machine.write_results(args.name, results)
+    _print(results)
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

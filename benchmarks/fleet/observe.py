@@ -1,0 +1,193 @@
+"""What the churn benchmark sees of the fleet: one pod watch (never a poll, which would load the API
+server under test) turned into per-job start times, GPUs allocated over time, and capacity changes.
+
+:class:`Observer` follows the trace's namespace; :func:`percentiles` and :func:`allocated_minutes`
+summarise what it recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import kubernetes
+
+from benchmarks.fleet import kwok
+
+JOB_LABEL = "meshtrain.io/job"
+FINISHED = ("Succeeded", "Failed")
+CHANGE_SECONDS = 1.0
+"""GPUs freed within this many seconds are one capacity change (a gang's pods end together)."""
+
+
+@dataclasses.dataclass
+class JobRecord:
+    """What the watch saw of one job."""
+
+    gpus: int
+    """GPUs it asks."""
+    applied: float
+    """Monotonic time the benchmark created it."""
+    all_running: float | None = None
+    """Monotonic time all its pods first ran at once (None: not yet)."""
+    finished: float | None = None
+    """Monotonic time its pods first ended (any attempt)."""
+    room_at_apply: bool = False
+    """Whether the fleet had as many free GPUs as it asks when it was applied."""
+    running: set[str] = dataclasses.field(default_factory=set)
+    """Names of its pods running now."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityChange:
+    """GPUs freed within :data:`CHANGE_SECONDS`, and who waited then."""
+
+    at: float
+    """Monotonic time of the first freeing."""
+    free_gpus: int
+    """Free GPUs of the fleet once the change settled."""
+    waiting: tuple[int, ...]
+    """GPUs asked by each job waiting then (applied, not all running, not finished)."""
+
+    def could_admit(self) -> int:
+        """Waiting jobs the freed capacity could start (their GPUs fit in the free ones)."""
+        return sum(1 for gpus in self.waiting if gpus <= self.free_gpus)
+
+
+class Observer:
+    """A pod watch of one namespace in a thread, and what it recorded."""
+
+    def __init__(self, api: kubernetes.client.ApiClient, namespace: str, fleet_gpus: int) -> None:
+        self._core = kubernetes.client.CoreV1Api(api)
+        self._namespace = namespace
+        self.fleet_gpus = fleet_gpus
+        self.jobs: dict[str, JobRecord] = {}
+        self._held: dict[str, int] = {}  # pod -> GPUs it holds (bound, not ended)
+        self._pending_change: float | None = None
+        self.changes: list[CapacityChange] = []
+        self.samples: list[tuple[float, int, int]] = []
+        """(monotonic time, allocated GPUs, waiting jobs) every sample."""
+        self.watch_restarts = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def applied(self, name: str, gpus: int) -> None:
+        with self._lock:
+            room = self.fleet_gpus - sum(self._held.values()) >= gpus
+            self.jobs[name] = JobRecord(gpus=gpus, applied=time.monotonic(), room_at_apply=room)
+
+    def allocated(self) -> int:
+        with self._lock:
+            return sum(self._held.values())
+
+    def waiting(self) -> list[int]:
+        with self._lock:
+            return self._waiting()
+
+    def _waiting(self) -> list[int]:
+        return [r.gpus for r in self.jobs.values() if r.all_running is None and r.finished is None]
+
+    def sample(self) -> None:
+        """Record allocation and the queue now; settle a capacity change that is over."""
+        now = time.monotonic()
+        with self._lock:
+            self.samples.append((now, sum(self._held.values()), len(self._waiting())))
+            self._settle(now)
+
+    def _settle(self, now: float) -> None:
+        if self._pending_change is not None and now - self._pending_change >= CHANGE_SECONDS:
+            free = self.fleet_gpus - sum(self._held.values())
+            self.changes.append(CapacityChange(self._pending_change, free, tuple(self._waiting())))
+            self._pending_change = None
+
+    def _run(self) -> None:
+        version = None
+        while not self._stop.is_set():
+            stream = kubernetes.watch.Watch()
+            try:
+                for event in stream.stream(
+                    self._core.list_namespaced_pod,
+                    self._namespace,
+                    resource_version=version,
+                    timeout_seconds=60,
+                    allow_watch_bookmarks=True,
+                ):
+                    pod = event["object"]
+                    version = pod.metadata.resource_version
+                    if event["type"] != "BOOKMARK":
+                        self._seen(event["type"], pod)
+                    if self._stop.is_set():
+                        stream.stop()
+            except kubernetes.client.ApiException as err:
+                if err.status == 410:
+                    version = None  # a relist re-reads every pod; _seen is idempotent
+                self.watch_restarts += 1
+            except Exception:  # noqa: BLE001 - a dropped connection: watch again
+                self.watch_restarts += 1
+                time.sleep(0.5)
+
+    def _seen(self, type_: str, pod: Any) -> None:
+        name, now = pod.metadata.name, time.monotonic()
+        job = (pod.metadata.labels or {}).get(JOB_LABEL)
+        phase = pod.status.phase if pod.status else None
+        with self._lock:
+            record = self.jobs.get(job or "")
+            ended = type_ == "DELETED" or phase in FINISHED
+            holds = pod.spec.node_name and not ended
+            if holds:
+                self._held[name] = kwok.GPUS_PER_NODE
+            elif self._held.pop(name, None) is not None:
+                self._pending_change = self._pending_change or now
+            if record is None:
+                return
+            if phase == "Running" and not ended:
+                record.running.add(name)
+            else:
+                record.running.discard(name)
+            if (
+                record.all_running is None
+                and len(record.running) * kwok.GPUS_PER_NODE >= record.gpus
+            ):
+                record.all_running = now
+            if phase in FINISHED and record.finished is None and record.all_running is not None:
+                record.finished = now
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | int]:
+    """Count, p50, p95, p99 and max of ``values`` (empty: the count only)."""
+    if not values:
+        return {"count": 0}
+    ordered = sorted(values)
+
+    def at(share: float) -> float:
+        return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+    return {
+        "count": len(ordered),
+        "p50": statistics.median(ordered),
+        "p95": at(0.95),
+        "p99": at(0.99),
+        "max": ordered[-1],
+    }
+
+
+def allocated_minutes(samples: Iterable[tuple[float, int, int]], gpus: int, share: float) -> float:
+    """Minutes during which the allocated GPUs were above ``share`` of ``gpus``."""
+    total, previous = 0.0, None
+    for at, allocated, _ in samples:
+        if previous is not None and previous[1] > share * gpus:
+            total += at - previous[0]
+        previous = (at, allocated)
+    return total / 60

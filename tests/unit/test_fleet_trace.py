@@ -1,0 +1,129 @@
+"""The fleet benchmark's pure parts: the KWOK fleet's labels and Stages, and the seeded trace whose
+jobs are valid TrainingJobs (the real spec model judges them) whose pods fill 8-GPU nodes."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import statistics
+
+import pytest
+
+from benchmarks.fleet import kwok, trace
+from meshtrain.api import spec as api_spec
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SHAPE = kwok.Shape(nodes=1024)
+
+
+def test_kwok_version_is_the_one_the_bootstrap_builds() -> None:
+    text = (REPO / "scripts" / "bootstrap.sh").read_text()
+    assert f'KWOK_VERSION="${{MESHTRAIN_KWOK_VERSION:-{kwok.DEFAULT_KWOK_VERSION}}}"' in text
+    assert "build_kwok" in text
+
+
+def test_nodes_nest_in_cliques_racks_and_blocks() -> None:
+    labels = [SHAPE.labels(i) for i in range(SHAPE.nodes)]
+    racks = {}
+    for found in labels:  # every rack lies in one block, every clique in one rack
+        assert (
+            racks.setdefault(found[kwok.RACK_LABEL], found[kwok.BLOCK_LABEL])
+            == found[kwok.BLOCK_LABEL]
+        )
+    cliques = {}
+    for found in labels:
+        assert (
+            cliques.setdefault(found[kwok.CLIQUE_LABEL], found[kwok.RACK_LABEL])
+            == found[kwok.RACK_LABEL]
+        )
+    assert dict(kwok.domains(SHAPE)) == {
+        kwok.BLOCK_LABEL: len(set(racks.values())),
+        kwok.RACK_LABEL: len(racks),
+        kwok.CLIQUE_LABEL: len(cliques),
+    }
+    assert len(set(racks.values())) == 2  # 1,024 nodes: two blocks of 4,096 GPUs
+
+
+def test_a_clique_that_would_cross_a_rack_is_refused() -> None:
+    with pytest.raises(ValueError, match="nodes_per_clique"):
+        kwok.Shape(nodes=64, nodes_per_rack=32, nodes_per_clique=5)
+
+
+def test_jobs_name_the_fleet_labels_as_their_topology() -> None:
+    """The GPU-cloud labels (Kueue TAS's) are no family the placement detects: each job names them."""
+    node = kwok.node(SHAPE, 0)
+    assert node["metadata"]["annotations"] == {kwok.MANAGED[0]: kwok.MANAGED[1]}
+    job = next(trace.jobs(trace.Trace(SHAPE)))
+    topology = api_spec.TrainingJobSpec.model_validate(job.spec()).topology
+    assert [level.label for level in topology.levels] == [kwok.BLOCK_LABEL, kwok.RACK_LABEL]
+    assert topology.nvlink_domain_label == kwok.CLIQUE_LABEL
+    assert set(node["metadata"]["labels"]) >= {kwok.BLOCK_LABEL, kwok.RACK_LABEL, kwok.CLIQUE_LABEL}
+
+
+def test_one_stage_ends_each_kind_of_pod() -> None:
+    """Each lifecycle's pod is matched by exactly one ending Stage (KWOK picks among matches)."""
+    pods = [s for s in kwok.stages() if s["spec"]["resourceRef"]["kind"] == "Pod"]
+    ending = [s for s in pods if s["metadata"]["name"] not in ("pod-run", "pod-delete")]
+    cases = {
+        ("Succeeded", "0"): "pod-succeed",
+        ("Succeeded", "1"): "pod-succeed",
+        ("Failed", "0"): "pod-fail",
+        ("Failed", "2"): "pod-succeed-after-restart",
+    }
+    for (outcome, attempt), stage in cases.items():
+        matched = [s["metadata"]["name"] for s in ending if _matches(s, outcome, attempt)]
+        assert matched == [stage], (outcome, attempt)
+
+
+def _matches(stage: dict, outcome: str, attempt: str) -> bool:
+    values = {
+        f'.metadata.annotations["{kwok.OUTCOME}"]': outcome,
+        f'.metadata.labels["{kwok.ATTEMPT_LABEL}"]': attempt,
+        ".status.phase": "Running",
+    }
+    for rule in stage["spec"]["selector"]["matchExpressions"]:
+        if rule["key"] not in values:
+            continue
+        inside = values[rule["key"]] in rule["values"]
+        if inside != (rule["operator"] == "In"):
+            return False
+    return True
+
+
+def test_the_same_seed_gives_the_same_trace() -> None:
+    first, again = trace.Trace(SHAPE), trace.Trace(SHAPE)
+    assert list(trace.jobs(first)) == list(trace.jobs(again))
+    assert list(trace.jobs(first)) != list(trace.jobs(trace.Trace(SHAPE, seed=7)))
+
+
+def test_jobs_are_valid_training_jobs_whose_pods_fill_nodes() -> None:
+    jobs = list(trace.jobs(trace.Trace(SHAPE)))
+    assert {j.gpus for j in jobs} <= set(trace.SIZES)
+    assert max(j.gpus for j in jobs) == 4096
+    for job in {j.gpus: j for j in jobs}.values():  # one of each size
+        spec = api_spec.TrainingJobSpec.model_validate(job.spec())
+        assert spec.resources.gpus_per_node == kwok.GPUS_PER_NODE
+        assert spec.parallelism.world_size == job.gpus
+        assert spec.parallelism.tensor == kwok.GPUS_PER_NODE  # tensor groups stay in a node
+        assert spec.pod.annotations[kwok.RUN_FOR] == f"{job.run_seconds:.3f}s"
+
+
+def test_most_jobs_are_small_but_most_gpu_time_is_large() -> None:
+    jobs = list(trace.jobs(trace.Trace(SHAPE)))
+    small = sum(j.gpus == 8 for j in jobs) / len(jobs)
+    gpu_time = [j.gpus * j.run_seconds for j in jobs]
+    large = sum(t for j, t in zip(jobs, gpu_time, strict=True) if j.gpus >= 256) / sum(gpu_time)
+    assert small > 0.4 and large > 0.5, (small, large)
+
+
+def test_failures_follow_the_series_model() -> None:
+    """Share of jobs that fail, by size, near 1 - E[exp(-nodes * r_f * duration)]."""
+    long_run = trace.Trace(SHAPE, wall_seconds=6 * 3600)
+    jobs = [j for j in trace.jobs(long_run) if j.gpus == 512]
+    failed = sum(j.fail_after is not None for j in jobs) / len(jobs)
+    rate = 64 * trace.FAILURES_PER_NODE_DAY / 24  # per cluster hour
+    expected = statistics.mean(
+        1 - math.exp(-rate * j.run_seconds * long_run.compression / 3600) for j in jobs
+    )
+    assert abs(failed - expected) < 0.05, (failed, expected)
+    assert all(j.fail_after < j.run_seconds for j in jobs if j.fail_after is not None)
