@@ -82,18 +82,28 @@ def _apiserver_requests(plane: controlplane.ControlPlane) -> float:
 
 
 class _Process:
-    """RSS and CPU of one process, sampled."""
+    """RSS and CPU of one process, sampled, and the CPU of its children (the planning worker)."""
 
     def __init__(self, pid: int) -> None:
         self.pid, self.peak_rss_mb = pid, 0.0
         self.rss: list[float] = []
         self.cpu_start = bench_operator._cpu_seconds(pid)
+        self.children: dict[int, float] = {}
+        """Child pid -> CPU seconds last seen."""
 
     def sample(self) -> None:
         with contextlib.suppress(OSError, RuntimeError):
             rss = bench_operator._rss_mb(self.pid)
             self.rss.append(rss)
             self.peak_rss_mb = max(self.peak_rss_mb, rss)
+        children = pathlib.Path(f"/proc/{self.pid}/task/{self.pid}/children")
+        with contextlib.suppress(OSError):
+            for child in children.read_text().split():
+                with contextlib.suppress(OSError, RuntimeError, ValueError):
+                    self.children[int(child)] = bench_operator._cpu_seconds(int(child))
+
+    def children_cpu_seconds(self) -> float:
+        return sum(self.children.values())
 
     def cpu_seconds(self) -> float:
         return bench_operator._cpu_seconds(self.pid) - self.cpu_start
@@ -225,7 +235,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         before = {**_operator_metrics(metrics_port), "apiserver": _apiserver_requests(plane)}
         stop = threading.Event()
         submitter = threading.Thread(target=_submit, args=(custom, jobs, seen, stop), daemon=True)
-        started = time.monotonic()
+        started, load_start = time.monotonic(), os.getloadavg()
         submitter.start()
         end = started + (args.minutes + args.drain_minutes) * 60
         while time.monotonic() < end:
@@ -244,6 +254,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         after = {**_operator_metrics(metrics_port), "apiserver": _apiserver_requests(plane)}
         results["wall_seconds"] = wall
         results["operator"] = {
+            "children_cpu_seconds": operator.children_cpu_seconds(),
             "peak_rss_mb": operator.peak_rss_mb,
             "cpu_seconds": operator.cpu_seconds(),
             "cpu_cores_mean": operator.cpu_seconds() / wall,
@@ -254,6 +265,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         placed = sum(1 for r in seen.jobs.values() if r.all_running is not None)
         results["placements_per_second"] = placed / wall
         results["plans_per_second"] = delta["plans"] / wall
+        results["plan_seconds_mean"] = delta["plan_seconds"] / max(1.0, delta["plans"])
+        results["load_average_start"] = load_start
         results["apiserver_requests_per_second"] = delta["apiserver"] / wall
         results["operator_requests_per_second"] = delta["api_requests"] / wall
         waiting_plans = delta["placement_failures"]  # a waiting job counts once per plan
