@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import pathlib
 import re
@@ -61,6 +62,9 @@ def _operator_metrics(port: int) -> dict[str, float]:
     return {
         "plans": total(
             r"^meshtrain_operator_placement_duration_seconds_count(?:\{[^}]*\})? (\S+)$"
+        ),
+        "plan_seconds": total(
+            r"^meshtrain_operator_placement_duration_seconds_sum(?:\{[^}]*\})? (\S+)$"
         ),
         "placement_failures": total(
             r"^meshtrain_operator_placement_failures_total\{[^}]*\} (\S+)$"
@@ -149,8 +153,20 @@ def _summary(seen: observe.Observer, shape: kwok.Shape, end: float) -> dict[str,
             "longest_wait_seconds": max(waits),
         }
     changes = seen.changes
+    started_at = min((r.applied for r in seen.jobs.values()), default=end)
     return {
         "by_size": by_size,
+        "jobs": {
+            name: {
+                "gpus": r.gpus,
+                "applied": round(r.applied - started_at, 2),
+                "all_running": None
+                if r.all_running is None
+                else round(r.all_running - started_at, 2),
+                "room_at_apply": r.room_at_apply,
+            }
+            for name, r in seen.jobs.items()
+        },
         "capacity_changes": len(changes),
         "admissible_wakeups": sum(c.could_admit() for c in changes),
         "minutes_above_80_percent": observe.allocated_minutes(seen.samples, shape.gpus, 0.8),
@@ -214,6 +230,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         core.create_namespace({"metadata": {"name": trace.NAMESPACE}})
         stack.enter_context(kwok.Kwok(kubeconfig, workdir))
         results["fleet"]["register_seconds"] = asyncio.run(kwok.create_nodes(kubeconfig, shape))
+        if args.waiting:  # full with pods of no job: every TrainingJob waits
+            core.create_namespace({"metadata": {"name": "foreign"}})
+            results["fleet"]["fill_seconds"] = asyncio.run(kwok.fill(kubeconfig, shape, "foreign"))
         print(
             f"fleet of {shape.nodes} nodes registered in {results['fleet']['register_seconds']:.0f} s",
             flush=True,
@@ -259,7 +278,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cpu_seconds": operator.cpu_seconds(),
             "cpu_cores_mean": operator.cpu_seconds() / wall,
         }
-        delta = {k: after[k] - before[k] for k in after}
+        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         results["operator"]["metrics_delta"] = delta
         results.update(_summary(seen, shape, time.monotonic()))
         placed = sum(1 for r in seen.jobs.values() if r.all_running is not None)
@@ -314,6 +333,28 @@ def _print(results: dict[str, Any]) -> None:
     )
 
 
+def markdown(path: pathlib.Path) -> str:
+    """The docs' table of a results file (docs/operator.md, "Under churn")."""
+    results = json.loads(path.read_text())["results"]
+    rows = [
+        "| job GPUs | jobs | started | apply -> all running p50 / p95 / p99 (s) "
+        "| same, room at apply: n, p50 / p99 (s) | longest wait (s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for size, row in results["by_size"].items():
+        every, roomy = row["apply_to_all_running_seconds"], row["with_room_at_apply_seconds"]
+
+        def cell(p: dict[str, Any], keys: tuple[str, ...]) -> str:
+            return " / ".join(f"{p[k]:.1f}" for k in keys) if p.get("count") else "-"
+
+        rows.append(
+            f"| {size} | {row['jobs']} | {row['started']} | {cell(every, ('p50', 'p95', 'p99'))} "
+            f"| {roomy.get('count', 0)}: {cell(roomy, ('p50', 'p99'))} "
+            f"| {row['longest_wait_seconds']:.0f} |"
+        )
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=1024)
@@ -326,12 +367,20 @@ def main(argv: list[str] | None = None) -> int:
         "--waiting",
         type=int,
         default=0,
-        help="instead of the trace: fill the fleet and queue this many jobs, none ending "
-        "(the operator's memory at rest)",
+        help="instead of the trace: fill the fleet with pods of no job and apply this many jobs "
+        "at once, all of which wait (the operator's memory at rest)",
     )
     parser.add_argument("--name", default="churn", help="results file name (churn-<host>.json)")
     parser.add_argument("--progress", action="store_true", help="print allocation every 30 s")
+    parser.add_argument(
+        "--markdown",
+        type=pathlib.Path,
+        help="print the docs' table of this results file, run nothing",
+    )
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown(args.markdown))
+        return 0
     results = run(args)
     path = machine.write_results(args.name, results)
     _print(results)
