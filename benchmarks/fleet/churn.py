@@ -69,6 +69,7 @@ def _operator_metrics(port: int) -> dict[str, float]:
         "placement_failures": total(
             r"^meshtrain_operator_placement_failures_total\{[^}]*\} (\S+)$"
         ),
+        "replans": total(r"^meshtrain_operator_replans_total(?:\{[^}]*\})? (\S+)$"),
         "api_requests": total(r"^meshtrain_operator_api_requests_total\{[^}]*\} (\S+)$"),
         "reconciles": total(
             r"^meshtrain_operator_reconcile_duration_seconds_count(?:\{[^}]*\})? (\S+)$"
@@ -132,10 +133,43 @@ def _submit(
         )
 
 
+def _probe(custom: Any, seen: observe.Observer, every: float, stop: threading.Event) -> None:
+    """Every ``every`` seconds, when the fleet has room for one beyond the jobs waiting, apply a
+    128-pod gang (1,024 GPUs) that runs 30 s: the issue's latency target, when capacity exists."""
+    index = 0
+    while not stop.wait(every):
+        free = seen.fleet_gpus - seen.allocated() - sum(seen.waiting())
+        if free < GANG_TARGET_GPUS:
+            continue
+        job = trace.Job(f"probe-{index:03d}", 0.0, GANG_TARGET_GPUS, 30.0, None)
+        index += 1
+        seen.applied(job.name, job.gpus)
+        custom.create_namespaced_custom_object(
+            bench_operator.GROUP,
+            bench_operator.VERSION,
+            trace.NAMESPACE,
+            bench_operator.PLURAL,
+            job.manifest(),
+        )
+
+
+def _probes(seen: observe.Observer) -> dict[str, Any]:
+    probes = [r for name, r in seen.jobs.items() if name.startswith("probe-")]
+    started = [r.all_running - r.applied for r in probes if r.all_running is not None]
+    return {
+        "gpus": GANG_TARGET_GPUS,
+        "applied": len(probes),
+        "apply_to_all_running_seconds": observe.percentiles(started),
+        "target_seconds": GANG_TARGET_SECONDS,
+    }
+
+
 def _summary(seen: observe.Observer, shape: kwok.Shape, end: float) -> dict[str, Any]:
     by_size: dict[str, Any] = {}
     for size in trace.SIZES:
-        records = [r for r in seen.jobs.values() if r.gpus == size]
+        records = [
+            r for name, r in seen.jobs.items() if r.gpus == size and not name.startswith("probe-")
+        ]
         if not records:
             continue
         started = [r.all_running - r.applied for r in records if r.all_running is not None]
@@ -155,6 +189,7 @@ def _summary(seen: observe.Observer, shape: kwok.Shape, end: float) -> dict[str,
     changes = seen.changes
     started_at = min((r.applied for r in seen.jobs.values()), default=end)
     return {
+        "probes": _probes(seen),
         "by_size": by_size,
         "jobs": {
             name: {
@@ -256,6 +291,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         submitter = threading.Thread(target=_submit, args=(custom, jobs, seen, stop), daemon=True)
         started, load_start = time.monotonic(), os.getloadavg()
         submitter.start()
+        if args.probe_every:
+            prober = (custom, seen, args.probe_every, stop)
+            threading.Thread(target=_probe, args=prober, daemon=True).start()
         end = started + (args.minutes + args.drain_minutes) * 60
         while time.monotonic() < end:
             time.sleep(SAMPLE_SECONDS)
@@ -290,6 +328,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["operator_requests_per_second"] = delta["api_requests"] / wall
         waiting_plans = delta["placement_failures"]  # a waiting job counts once per plan
         results["plans_of_waiting_jobs"] = waiting_plans
+        # the target: re-plans of waiting jobs <= capacity changes that could admit one of them
+        results["replans"] = delta.get("replans", 0.0)
+        results["replans_per_admissible_wakeup"] = results["replans"] / max(
+            1, results["admissible_wakeups"]
+        )
         results["plans_per_admissible_wakeup"] = waiting_plans / max(
             1, results["admissible_wakeups"]
         )
@@ -308,6 +351,11 @@ def _stop_operator(process: Any) -> None:
 
 
 def _print(results: dict[str, Any]) -> None:
+    probe = results["probes"]
+    print(
+        f"128-pod probe gangs applied with room: {probe['applied']}, apply -> all running "
+        f"{probe['apply_to_all_running_seconds']} (target p99 < {GANG_TARGET_SECONDS:.0f} s)"
+    )
     print(
         f"{'job GPUs':>8} {'jobs':>6} {'started':>8} {'p50 s':>8} {'p95 s':>8} {'p99 s':>8} {'longest wait s':>15}"
     )
@@ -369,6 +417,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="instead of the trace: fill the fleet with pods of no job and apply this many jobs "
         "at once, all of which wait (the operator's memory at rest)",
+    )
+    parser.add_argument(
+        "--probe-every",
+        type=float,
+        default=0.0,
+        help="seconds between 128-pod probe gangs, each applied only when the fleet has room",
     )
     parser.add_argument("--name", default="churn", help="results file name (churn-<host>.json)")
     parser.add_argument("--progress", action="store_true", help="print allocation every 30 s")

@@ -527,6 +527,8 @@ class Placer:
         raw_nodes, nodes, avoid = self.fit.candidates(job, gpu, now)
         demand = feasibility.demand_of(template)
         cap = resizing.largest_allowed(job.declared or job.spec, job.status, now)
+        if ref.uid in self.waiting.entries:  # it waited: a wake-up (or its resync) plans it again
+            metrics.REPLANS.labels(namespace=ref.namespace).inc()
         try:
             sized = await self.fit.plan_sizes(job, raw_nodes, nodes, demand, cap, topology)
         except planning.DeadlineExceeded as exceeded:
