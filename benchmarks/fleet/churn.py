@@ -114,6 +114,17 @@ class _Process:
         return bench_operator._cpu_seconds(self.pid) - self.cpu_start
 
 
+def _apply(custom: Any, seen: observe.Observer, job: trace.Job) -> None:
+    seen.applied(job.name, job.gpus)
+    custom.create_namespaced_custom_object(
+        bench_operator.GROUP,
+        bench_operator.VERSION,
+        trace.NAMESPACE,
+        bench_operator.PLURAL,
+        job.manifest(),
+    )
+
+
 def _submit(
     custom: Any, jobs: list[trace.Job], seen: observe.Observer, stop: threading.Event
 ) -> None:
@@ -123,14 +134,7 @@ def _submit(
         delay = job.arrival - (time.monotonic() - started)
         if delay > 0 and stop.wait(delay):
             return
-        seen.applied(job.name, job.gpus)
-        custom.create_namespaced_custom_object(
-            bench_operator.GROUP,
-            bench_operator.VERSION,
-            trace.NAMESPACE,
-            bench_operator.PLURAL,
-            job.manifest(),
-        )
+        _apply(custom, seen, job)
 
 
 def _probe(custom: Any, seen: observe.Observer, every: float, stop: threading.Event) -> None:
@@ -143,14 +147,7 @@ def _probe(custom: Any, seen: observe.Observer, every: float, stop: threading.Ev
             continue
         job = trace.Job(f"probe-{index:03d}", 0.0, GANG_TARGET_GPUS, 30.0, None)
         index += 1
-        seen.applied(job.name, job.gpus)
-        custom.create_namespaced_custom_object(
-            bench_operator.GROUP,
-            bench_operator.VERSION,
-            trace.NAMESPACE,
-            bench_operator.PLURAL,
-            job.manifest(),
-        )
+        _apply(custom, seen, job)
 
 
 def _probes(seen: observe.Observer) -> dict[str, Any]:
