@@ -200,3 +200,28 @@ def test_capacity_changes_close_together_wake_each_admitted_job_once() -> None:
     asked, woken = asyncio.run(scenario())
     assert asked == [[("ns", "fits"), ("ns", "too-big")]]  # one question for the ten changes
     assert woken == {"fits": True, "too-big": False, "running": False}
+
+
+def test_jobs_kueue_admitted_neither_hold_the_reservation_nor_are_held_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Kueue's queue orders its own jobs: the reservation is among the operator's others."""
+    cache = informer.Cache()
+    for i in range(4):
+        cache.nodes.upsert(_node(f"n{i}"))
+    cache.pods.upsert(_bound("busy", "n0"))
+    queue = waiting.Queue(cache)
+    clock = [0.0]
+    monkeypatch.setattr(waiting.time, "monotonic", lambda: clock[0])
+    queued, large, small = _job("queued", 4), _job("large", 4), _job("small", 1)
+    queue.kueue.add(queued[0].uid)
+    queue.enter(*queued)  # waited longest, but Kueue's
+    clock[0] = 5.0
+    queue.enter(*large)
+    clock[0] = capacity_queue.RESERVE_AFTER_SECONDS + 10
+    assert queue.holder() == queue.entries["uid-large"]
+    assert queue.held_back(*small) == queue.entries["uid-large"]
+    queue.kueue.add(small[0].uid)
+    assert queue.held_back(*small) is None
+    queue.leave(queued[0])
+    assert queued[0].uid not in queue.kueue

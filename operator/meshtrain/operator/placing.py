@@ -398,6 +398,8 @@ class Placer:
             self._deferred.discard(ref.uid)
             if waiting := await self._wait_for_leaving(body, job):
                 return waiting
+        if action.flavors or action.topology is not None:  # Kueue's queue orders it
+            self.waiting.kueue.add(ref.uid)
         where = await workloads.flavors(self.client, action.flavors)
         if isinstance(where, kueue_workload.Unassignable):
             return await self._unassignable(body, job, where)

@@ -47,6 +47,9 @@ class Queue:
         """(namespace, name) -> UID of the waiting job of that name."""
         self._demands: dict[Hashable, feasibility.Demand] = {}
         """Shape -> a pod demand of that shape (what free slots are counted for)."""
+        self.kueue: set[str] = set()
+        """UIDs of jobs Kueue admitted: Kueue's queue orders them, so they neither hold the
+        reservation nor are held back by it (the wake-up rule applies to them all the same)."""
 
     def enter(
         self, ref: identity.JobRef, spec: api_spec.TrainingJobSpec, demand: feasibility.Demand
@@ -64,6 +67,7 @@ class Queue:
     def leave(self, ref: identity.JobRef) -> None:
         """The job waits no more (placed, deleted, finished or suspended)."""
         self.entries.pop(ref.uid, None)
+        self.kueue.discard(ref.uid)
         if self._uids.get((ref.namespace, ref.name)) == ref.uid:
             del self._uids[(ref.namespace, ref.name)]
 
@@ -79,14 +83,15 @@ class Queue:
 
     def holder(self) -> capacity_queue.Waiting | None:
         """The job holding the reservation, if any (``capacity_queue.holder``)."""
-        return capacity_queue.holder(self.entries.values(), time.monotonic())
+        ours = (w for uid, w in self.entries.items() if uid not in self.kueue)
+        return capacity_queue.holder(ours, time.monotonic())
 
     def held_back(
         self, ref: identity.JobRef, spec: api_spec.TrainingJobSpec, demand: feasibility.Demand
     ) -> capacity_queue.Waiting | None:
         """The reservation's holder when it holds this job back, else None."""
         reserved = self.holder()
-        if reserved is None or reserved.uid == ref.uid:
+        if reserved is None or reserved.uid == ref.uid or ref.uid in self.kueue:
             return None
         free = self.free_slots(reserved.need.shape)
         need = need_of(spec, demand)
@@ -113,8 +118,10 @@ class Queue:
         kept = []
         for key in found:
             need, uid = needs[key], self._uids.get(key, "")
-            if need is None or not capacity_queue.held_back(
-                uid, need, reserved, free(reserved.need.shape)
+            if (
+                need is None
+                or uid in self.kueue
+                or not capacity_queue.held_back(uid, need, reserved, free(reserved.need.shape))
             ):
                 kept.append(key)
         return kept
