@@ -130,9 +130,10 @@ def test_the_queue_counts_free_slots_on_the_cache_and_wakes_what_fits() -> None:
     assert queue.entries.keys() == {"uid-small"}
 
 
-def test_the_reservation_holds_back_others_until_its_holder_fits(
+def _three_free_nodes(
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
+) -> tuple[informer.Cache, waiting.Queue, list[float]]:
+    """Four 8-GPU nodes, one busy; a queue on them and the clock it reads."""
     cache = informer.Cache()
     for i in range(4):
         cache.nodes.upsert(_node(f"n{i}"))
@@ -140,6 +141,13 @@ def test_the_reservation_holds_back_others_until_its_holder_fits(
     queue = waiting.Queue(cache)
     clock = [0.0]
     monkeypatch.setattr(waiting.time, "monotonic", lambda: clock[0])
+    return cache, queue, clock
+
+
+def test_the_reservation_holds_back_others_until_its_holder_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cache, queue, clock = _three_free_nodes(monkeypatch)
     large, small = _job("large", 4), _job("small", 1)
     queue.enter(*large)
     clock[0] = 10.0
@@ -206,13 +214,7 @@ def test_jobs_kueue_admitted_neither_hold_the_reservation_nor_are_held_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Kueue's queue orders its own jobs: the reservation is among the operator's others."""
-    cache = informer.Cache()
-    for i in range(4):
-        cache.nodes.upsert(_node(f"n{i}"))
-    cache.pods.upsert(_bound("busy", "n0"))
-    queue = waiting.Queue(cache)
-    clock = [0.0]
-    monkeypatch.setattr(waiting.time, "monotonic", lambda: clock[0])
+    cache, queue, clock = _three_free_nodes(monkeypatch)
     queued, large, small = _job("queued", 4), _job("large", 4), _job("small", 1)
     queue.kueue.add(queued[0].uid)
     queue.enter(*queued)  # waited longest, but Kueue's
