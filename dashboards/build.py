@@ -493,9 +493,14 @@ OPERATOR_PANELS: list[Panel] = [
             (
                 "{{reason}}",
                 f"sum by (reason) (rate(meshtrain_operator_placement_failures_total{{{OPSEL}}}[{RI}]))",
-            )
+            ),
+            (
+                "re-plans of waiting jobs",
+                f"sum(rate(meshtrain_operator_replans_total{{{OPSEL}}}[{RI}]))",
+            ),
         ],
-        "Placement attempts that placed nothing (a waiting job is retried at every resync).",
+        "Placement attempts that placed nothing, and plans of jobs that already waited (woken by "
+        "a capacity change that could admit them, or by their resync).",
     ),
     Panel(
         "Gang restarts",

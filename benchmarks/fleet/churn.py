@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import pathlib
 import re
@@ -62,9 +63,13 @@ def _operator_metrics(port: int) -> dict[str, float]:
         "plans": total(
             r"^meshtrain_operator_placement_duration_seconds_count(?:\{[^}]*\})? (\S+)$"
         ),
+        "plan_seconds": total(
+            r"^meshtrain_operator_placement_duration_seconds_sum(?:\{[^}]*\})? (\S+)$"
+        ),
         "placement_failures": total(
             r"^meshtrain_operator_placement_failures_total\{[^}]*\} (\S+)$"
         ),
+        "replans": total(r"^meshtrain_operator_replans_total(?:\{[^}]*\})? (\S+)$"),
         "api_requests": total(r"^meshtrain_operator_api_requests_total\{[^}]*\} (\S+)$"),
         "reconciles": total(
             r"^meshtrain_operator_reconcile_duration_seconds_count(?:\{[^}]*\})? (\S+)$"
@@ -82,21 +87,42 @@ def _apiserver_requests(plane: controlplane.ControlPlane) -> float:
 
 
 class _Process:
-    """RSS and CPU of one process, sampled."""
+    """RSS and CPU of one process, sampled, and the CPU of its children (the planning worker)."""
 
     def __init__(self, pid: int) -> None:
         self.pid, self.peak_rss_mb = pid, 0.0
         self.rss: list[float] = []
         self.cpu_start = bench_operator._cpu_seconds(pid)
+        self.children: dict[int, float] = {}
+        """Child pid -> CPU seconds last seen."""
 
     def sample(self) -> None:
         with contextlib.suppress(OSError, RuntimeError):
             rss = bench_operator._rss_mb(self.pid)
             self.rss.append(rss)
             self.peak_rss_mb = max(self.peak_rss_mb, rss)
+        children = pathlib.Path(f"/proc/{self.pid}/task/{self.pid}/children")
+        with contextlib.suppress(OSError):
+            for child in children.read_text().split():
+                with contextlib.suppress(OSError, RuntimeError, ValueError):
+                    self.children[int(child)] = bench_operator._cpu_seconds(int(child))
+
+    def children_cpu_seconds(self) -> float:
+        return sum(self.children.values())
 
     def cpu_seconds(self) -> float:
         return bench_operator._cpu_seconds(self.pid) - self.cpu_start
+
+
+def _apply(custom: Any, seen: observe.Observer, job: trace.Job) -> None:
+    seen.applied(job.name, job.gpus)
+    custom.create_namespaced_custom_object(
+        bench_operator.GROUP,
+        bench_operator.VERSION,
+        trace.NAMESPACE,
+        bench_operator.PLURAL,
+        job.manifest(),
+    )
 
 
 def _submit(
@@ -108,20 +134,39 @@ def _submit(
         delay = job.arrival - (time.monotonic() - started)
         if delay > 0 and stop.wait(delay):
             return
-        seen.applied(job.name, job.gpus)
-        custom.create_namespaced_custom_object(
-            bench_operator.GROUP,
-            bench_operator.VERSION,
-            trace.NAMESPACE,
-            bench_operator.PLURAL,
-            job.manifest(),
-        )
+        _apply(custom, seen, job)
+
+
+def _probe(custom: Any, seen: observe.Observer, every: float, stop: threading.Event) -> None:
+    """Every ``every`` seconds, when the fleet has room for one beyond the jobs waiting, apply a
+    128-pod gang (1,024 GPUs) that runs 30 s: the issue's latency target, when capacity exists."""
+    index = 0
+    while not stop.wait(every):
+        free = seen.fleet_gpus - seen.allocated() - sum(seen.waiting())
+        if free < GANG_TARGET_GPUS:
+            continue
+        job = trace.Job(f"probe-{index:03d}", 0.0, GANG_TARGET_GPUS, 30.0, None)
+        index += 1
+        _apply(custom, seen, job)
+
+
+def _probes(seen: observe.Observer) -> dict[str, Any]:
+    probes = [r for name, r in seen.jobs.items() if name.startswith("probe-")]
+    started = [r.all_running - r.applied for r in probes if r.all_running is not None]
+    return {
+        "gpus": GANG_TARGET_GPUS,
+        "applied": len(probes),
+        "apply_to_all_running_seconds": observe.percentiles(started),
+        "target_seconds": GANG_TARGET_SECONDS,
+    }
 
 
 def _summary(seen: observe.Observer, shape: kwok.Shape, end: float) -> dict[str, Any]:
     by_size: dict[str, Any] = {}
     for size in trace.SIZES:
-        records = [r for r in seen.jobs.values() if r.gpus == size]
+        records = [
+            r for name, r in seen.jobs.items() if r.gpus == size and not name.startswith("probe-")
+        ]
         if not records:
             continue
         started = [r.all_running - r.applied for r in records if r.all_running is not None]
@@ -139,8 +184,21 @@ def _summary(seen: observe.Observer, shape: kwok.Shape, end: float) -> dict[str,
             "longest_wait_seconds": max(waits),
         }
     changes = seen.changes
+    started_at = min((r.applied for r in seen.jobs.values()), default=end)
     return {
+        "probes": _probes(seen),
         "by_size": by_size,
+        "jobs": {
+            name: {
+                "gpus": r.gpus,
+                "applied": round(r.applied - started_at, 2),
+                "all_running": None
+                if r.all_running is None
+                else round(r.all_running - started_at, 2),
+                "room_at_apply": r.room_at_apply,
+            }
+            for name, r in seen.jobs.items()
+        },
         "capacity_changes": len(changes),
         "admissible_wakeups": sum(c.could_admit() for c in changes),
         "minutes_above_80_percent": observe.allocated_minutes(seen.samples, shape.gpus, 0.8),
@@ -204,6 +262,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         core.create_namespace({"metadata": {"name": trace.NAMESPACE}})
         stack.enter_context(kwok.Kwok(kubeconfig, workdir))
         results["fleet"]["register_seconds"] = asyncio.run(kwok.create_nodes(kubeconfig, shape))
+        if args.waiting:  # full with pods of no job: every TrainingJob waits
+            core.create_namespace({"metadata": {"name": "foreign"}})
+            results["fleet"]["fill_seconds"] = asyncio.run(kwok.fill(kubeconfig, shape, "foreign"))
         print(
             f"fleet of {shape.nodes} nodes registered in {results['fleet']['register_seconds']:.0f} s",
             flush=True,
@@ -225,8 +286,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         before = {**_operator_metrics(metrics_port), "apiserver": _apiserver_requests(plane)}
         stop = threading.Event()
         submitter = threading.Thread(target=_submit, args=(custom, jobs, seen, stop), daemon=True)
-        started = time.monotonic()
+        started, load_start = time.monotonic(), os.getloadavg()
         submitter.start()
+        if args.probe_every:
+            prober = (custom, seen, args.probe_every, stop)
+            threading.Thread(target=_probe, args=prober, daemon=True).start()
         end = started + (args.minutes + args.drain_minutes) * 60
         while time.monotonic() < end:
             time.sleep(SAMPLE_SECONDS)
@@ -244,20 +308,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         after = {**_operator_metrics(metrics_port), "apiserver": _apiserver_requests(plane)}
         results["wall_seconds"] = wall
         results["operator"] = {
+            "children_cpu_seconds": operator.children_cpu_seconds(),
             "peak_rss_mb": operator.peak_rss_mb,
             "cpu_seconds": operator.cpu_seconds(),
             "cpu_cores_mean": operator.cpu_seconds() / wall,
         }
-        delta = {k: after[k] - before[k] for k in after}
+        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         results["operator"]["metrics_delta"] = delta
         results.update(_summary(seen, shape, time.monotonic()))
         placed = sum(1 for r in seen.jobs.values() if r.all_running is not None)
         results["placements_per_second"] = placed / wall
         results["plans_per_second"] = delta["plans"] / wall
+        results["plan_seconds_mean"] = delta["plan_seconds"] / max(1.0, delta["plans"])
+        results["load_average_start"] = load_start
         results["apiserver_requests_per_second"] = delta["apiserver"] / wall
         results["operator_requests_per_second"] = delta["api_requests"] / wall
         waiting_plans = delta["placement_failures"]  # a waiting job counts once per plan
         results["plans_of_waiting_jobs"] = waiting_plans
+        # the target: re-plans of waiting jobs <= capacity changes that could admit one of them
+        results["replans"] = delta.get("replans", 0.0)
+        results["replans_per_admissible_wakeup"] = results["replans"] / max(
+            1, results["admissible_wakeups"]
+        )
         results["plans_per_admissible_wakeup"] = waiting_plans / max(
             1, results["admissible_wakeups"]
         )
@@ -276,6 +348,11 @@ def _stop_operator(process: Any) -> None:
 
 
 def _print(results: dict[str, Any]) -> None:
+    probe = results["probes"]
+    print(
+        f"128-pod probe gangs applied with room: {probe['applied']}, apply -> all running "
+        f"{probe['apply_to_all_running_seconds']} (target p99 < {GANG_TARGET_SECONDS:.0f} s)"
+    )
     print(
         f"{'job GPUs':>8} {'jobs':>6} {'started':>8} {'p50 s':>8} {'p95 s':>8} {'p99 s':>8} {'longest wait s':>15}"
     )
@@ -301,6 +378,28 @@ def _print(results: dict[str, Any]) -> None:
     )
 
 
+def markdown(path: pathlib.Path) -> str:
+    """The docs' table of a results file (docs/operator.md, "Under churn")."""
+    results = json.loads(path.read_text())["results"]
+    rows = [
+        "| job GPUs | jobs | started | apply -> all running p50 / p95 / p99 (s) "
+        "| same, room at apply: n, p50 / p99 (s) | longest wait (s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for size, row in results["by_size"].items():
+        every, roomy = row["apply_to_all_running_seconds"], row["with_room_at_apply_seconds"]
+
+        def cell(p: dict[str, Any], keys: tuple[str, ...]) -> str:
+            return " / ".join(f"{p[k]:.1f}" for k in keys) if p.get("count") else "-"
+
+        rows.append(
+            f"| {size} | {row['jobs']} | {row['started']} | {cell(every, ('p50', 'p95', 'p99'))} "
+            f"| {roomy.get('count', 0)}: {cell(roomy, ('p50', 'p99'))} "
+            f"| {row['longest_wait_seconds']:.0f} |"
+        )
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=1024)
@@ -313,12 +412,26 @@ def main(argv: list[str] | None = None) -> int:
         "--waiting",
         type=int,
         default=0,
-        help="instead of the trace: fill the fleet and queue this many jobs, none ending "
-        "(the operator's memory at rest)",
+        help="instead of the trace: fill the fleet with pods of no job and apply this many jobs "
+        "at once, all of which wait (the operator's memory at rest)",
+    )
+    parser.add_argument(
+        "--probe-every",
+        type=float,
+        default=0.0,
+        help="seconds between 128-pod probe gangs, each applied only when the fleet has room",
     )
     parser.add_argument("--name", default="churn", help="results file name (churn-<host>.json)")
     parser.add_argument("--progress", action="store_true", help="print allocation every 30 s")
+    parser.add_argument(
+        "--markdown",
+        type=pathlib.Path,
+        help="print the docs' table of this results file, run nothing",
+    )
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown(args.markdown))
+        return 0
     results = run(args)
     path = machine.write_results(args.name, results)
     _print(results)

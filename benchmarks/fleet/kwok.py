@@ -319,6 +319,40 @@ async def _retrying(call: Any, *args: Any) -> None:
     raise RuntimeError(f"{call.__name__} kept failing: {text[:300]}")
 
 
+async def fill(
+    kubeconfig: pathlib.Path, shape: Shape, namespace: str, in_flight: int = 32
+) -> float:
+    """One never-ending pod of 8 GPUs bound to each node (``namespace`` exists): a full fleet.
+    Returns the seconds taken."""
+    configuration = k8s.Configuration()
+    await k8s_config.load_kube_config(
+        config_file=str(kubeconfig), client_configuration=configuration
+    )
+    configuration.connection_pool_maxsize = in_flight
+    gpus = {GPU: str(GPUS_PER_NODE)}
+    started = time.perf_counter()
+    async with k8s.ApiClient(configuration) as api:
+        core = k8s.CoreV1Api(api)
+        limit = asyncio.Semaphore(in_flight)
+
+        async def one(index: int) -> None:
+            pod = {
+                "metadata": {
+                    "name": f"hold-{index:05d}",
+                    "annotations": lifecycle_annotations(30 * 24 * 3600.0, None),
+                },
+                "spec": {
+                    "nodeName": node_name(index),
+                    "containers": [{"name": "c", "image": "hold", "resources": {"limits": gpus}}],
+                },
+            }
+            async with limit:
+                await _retrying(core.create_namespaced_pod, namespace, pod)
+
+        await asyncio.gather(*(one(i) for i in range(shape.nodes)))
+    return time.perf_counter() - started
+
+
 def domains(shape: Shape) -> Iterator[tuple[str, int]]:
     """(level label, domain count) of the fleet, top down."""
     racks = -(-shape.nodes // shape.nodes_per_rack)

@@ -37,7 +37,8 @@ class JobRecord:
     finished: float | None = None
     """Monotonic time its pods first ended (any attempt)."""
     room_at_apply: bool = False
-    """Whether the fleet had as many free GPUs as it asks when it was applied."""
+    """Whether, when it was applied, the fleet's free GPUs less those asked by the jobs waiting
+    ahead of it covered it: capacity existed, it had to wait for no one."""
     running: set[str] = dataclasses.field(default_factory=set)
     """Names of its pods running now."""
 
@@ -85,7 +86,8 @@ class Observer:
 
     def applied(self, name: str, gpus: int) -> None:
         with self._lock:
-            room = self.fleet_gpus - sum(self._held.values()) >= gpus
+            ahead = sum(self._waiting())
+            room = self.fleet_gpus - sum(self._held.values()) - ahead >= gpus
             self.jobs[name] = JobRecord(gpus=gpus, applied=time.monotonic(), room_at_apply=room)
 
     def allocated(self) -> int:

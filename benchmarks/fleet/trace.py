@@ -177,13 +177,11 @@ def jobs(trace: Trace) -> Iterator[Job]:
         index += 1
 
 
-def held(trace: Trace, waiting: int) -> list[Job]:
-    """The trace's burst at time 0 and ``waiting`` more jobs at once, none of them ever ending:
-    the fleet fills and ``waiting`` jobs (about) queue, for the operator's memory at rest."""
-    burst = [j for j in jobs(trace) if j.arrival == 0.0]
-    more = jobs(dataclasses.replace(trace, seed=trace.seed + 1, initial_fill=1e9))
-    extra = [next(more) for _ in range(waiting)]
-    renamed = [dataclasses.replace(j, name=f"w{i:05d}-{j.gpus}") for i, j in enumerate(extra)]
+def held(trace: Trace, count: int) -> list[Job]:
+    """``count`` jobs of the trace's size mix, all arriving at once and never ending: on a fleet
+    already full (``kwok.fill``) every one of them waits, for the operator's memory at rest."""
+    every = jobs(dataclasses.replace(trace, initial_fill=1e9))
     return [
-        dataclasses.replace(j, run_seconds=HELD_SECONDS, fail_after=None) for j in burst + renamed
+        dataclasses.replace(next(every), run_seconds=HELD_SECONDS, fail_after=None)
+        for _ in range(count)
     ]

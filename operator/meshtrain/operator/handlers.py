@@ -13,7 +13,7 @@ import contextlib
 import logging
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
@@ -36,12 +36,25 @@ MAX_IMMEDIATE_PASSES = 25
 logger = logging.getLogger("meshtrain.operator")
 
 
-class Wakeups:
-    """Per-job wake-up events: pod and job events wake their job, node and freed-GPU events wake waiting jobs."""
+WAKE_COALESCE_SECONDS = 0.2
+"""Capacity changes within this long wake the waiting jobs once (a gang's pods end together)."""
 
-    def __init__(self) -> None:
+
+class Wakeups:
+    """Per-job wake-up events: pod and job events wake their job; node and freed-GPU events wake
+    the waiting jobs that the change could admit (``admit``), once per :data:`WAKE_COALESCE_SECONDS`."""
+
+    def __init__(
+        self,
+        admit: Callable[[list[tuple[str, str]]], list[tuple[str, str]]] = lambda keys: keys,
+    ) -> None:
         self._events: dict[tuple[str, str], asyncio.Event] = {}
         self._waiting: set[tuple[str, str]] = set()
+        self._admit = admit
+        """Of the waiting jobs, those a capacity change could admit (``waiting.Queue.wake``)."""
+        self._flush: asyncio.TimerHandle | None = None
+        self.woken = 0
+        """Wake-ups of waiting jobs so far (each one a capacity change that could admit the job)."""
 
     def event(self, key: tuple[str, str]) -> asyncio.Event:
         return self._events.setdefault(key, asyncio.Event())
@@ -58,7 +71,16 @@ class Wakeups:
             self._waiting.discard(key)
 
     def poke_waiting(self) -> None:
-        for key in list(self._waiting):
+        """Capacity changed: wake the waiting jobs it could admit, after the changes that follow
+        within :data:`WAKE_COALESCE_SECONDS` (one wake-up for them all)."""
+        if self._flush is None and self._waiting:
+            loop = asyncio.get_running_loop()
+            self._flush = loop.call_later(WAKE_COALESCE_SECONDS, self._wake_admitted)
+
+    def _wake_admitted(self) -> None:
+        self._flush = None
+        for key in self._admit(sorted(self._waiting)):
+            self.woken += 1
             self.poke(key)
 
     def forget(self, key: tuple[str, str]) -> None:
@@ -89,7 +111,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     cache = informer.Cache(follow_devices=True)
     resolved = await reconciler.resolved(client, memo.settings)
     memo.reconciler = reconciler.Reconciler(client=client, cache=cache, settings=resolved)
-    memo.wakeups = Wakeups()
+    memo.wakeups = Wakeups(memo.reconciler.placer.waiting.wake)
     memo.watches = asyncio.create_task(cache.run(client, memo.wakeups, memo.namespaces))
     memo.leading = asyncio.Event()
     tenure = leadership.Tenure(math.inf if memo.election is None else -math.inf)

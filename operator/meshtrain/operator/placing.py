@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import gang_fit, planning
+from meshtrain.operator import gang_fit, placement_lock, planning, waiting
 from meshtrain.operator.cluster import (
     children,
     claims,
@@ -33,6 +33,7 @@ from meshtrain.operator.cluster.status_writes import Step
 from meshtrain.operator.policy import (
     builders,
     capacity,
+    capacity_queue,
     conditions,
     devices,
     failure,
@@ -106,7 +107,9 @@ class Placer:
         self.restart_all = restart_all
         """Whether custom trainers' pods carry the ``RestartAllContainers`` rule (KEP-5532):
         ``auto`` where every node of the gang declares it (:meth:`restart_all_on`)."""
-        self.lock = asyncio.Lock()
+        self.lock = placement_lock.PlacementLock()
+        self.waiting = waiting.Queue(cache)
+        """Jobs waiting for capacity: whom a capacity change wakes, who holds the reservation."""
         self._grow_backoff: dict[tuple[str, str], tuple[float, float]] = {}
         """Jobs whose last grow check found no room: (monotonic time of the next check, interval)."""
         self._next_plan: dict[str, float] = {}
@@ -127,6 +130,7 @@ class Placer:
     def forget(self, ref: identity.JobRef) -> None:
         """Drop what is remembered of a deleted job."""
         self.fit.forget(ref.namespace, ref.name, ref.uid)
+        self.waiting.leave(ref)
         self.create_failures.forget(ref.uid)
         self._grow_backoff.pop((ref.namespace, ref.name), None)
         self._next_plan.pop(ref.uid, None)
@@ -188,7 +192,7 @@ class Placer:
     ) -> Step:
         """Lift the gang's gates, unless a planned node can no longer take its pods: then place it again."""
         ref = job.ref
-        async with self.lock:
+        async with self.lock.urgent():  # the gang holds its GPUs already: before any new plan
             moved = await self._planned_nodes_changed(job)
             if moved:
                 message = (
@@ -415,6 +419,8 @@ class Placer:
             self._deferred.discard(ref.uid)
             if waiting := await self._wait_for_leaving(body, job):
                 return waiting
+        if action.flavors or action.topology is not None:  # Kueue's queue orders it
+            self.waiting.kueue.add(ref.uid)
         where = await workloads.flavors(self.client, action.flavors)
         if isinstance(where, kueue_workload.Unassignable):
             return await self._unassignable(body, job, where)
@@ -433,6 +439,8 @@ class Placer:
                 return await self._recreate_missing(
                     action.attempt, action.missing, body, job, template, where, action.topology
                 )
+            if reserved := self.waiting.held_back(ref, spec, feasibility.demand_of(template)):
+                return await self._held_back(body, job, reserved, template)
             step, placed = await self._place_gang(
                 action.attempt, body, job, template, where, claim, action.topology
             )
@@ -446,6 +454,22 @@ class Placer:
             )
             await self.writer.emit(step[0], "Normal", conditions.GANG_PLACED, placed.message)
         return step
+
+    async def _held_back(
+        self,
+        body: dict[str, Any],
+        job: job_state.JobState,
+        reserved: capacity_queue.Waiting,
+        template: dict[str, Any],
+    ) -> Step:
+        """Another job holds the reservation and this one could take the slots it waits for: wait
+        (no plan; woken when a capacity change could admit it beside the holder)."""
+        assert job.spec is not None
+        self.waiting.enter(job.ref, job.spec, feasibility.demand_of(template))
+        message = capacity_queue.message(reserved)
+        unplaced = placement_outcome.unplaced(job, conditions.RESERVED, message, clock.now())
+        said = f"{job.ref.namespace}/{job.ref.name} waits: {message}"
+        return await self._write_unplaced(body, job, unplaced, said)
 
     def _node(self, name: str) -> dict[str, Any] | None:
         return self.cache.nodes.get(("", name))
@@ -530,6 +554,8 @@ class Placer:
         raw_nodes, nodes, avoid = self.fit.candidates(job, gpu, now)
         demand = feasibility.demand_of(template)
         cap = resizing.largest_allowed(job.declared or job.spec, job.status, now)
+        if ref.uid in self.waiting.entries:  # it waited: a wake-up (or its resync) plans it again
+            metrics.REPLANS.labels(namespace=ref.namespace).inc()
         try:
             sized = await self.fit.plan_sizes(job, raw_nodes, nodes, demand, cap, topology)
         except planning.DeadlineExceeded as exceeded:
@@ -551,6 +577,7 @@ class Placer:
             time.perf_counter() - started
         )
         if isinstance(outcome, placement_outcome.Unplaced):
+            self.waiting.enter(ref, job.declared or sized.spec, demand)
             took = self.fit.worker.last_seconds
             self._next_plan[ref.uid] = time.monotonic() + PLAN_SPACING * took
             if took >= SLOW_PLAN_SECONDS:
@@ -600,6 +627,7 @@ class Placer:
             return await self._refused(body, job, refused), None
         self.create_failures.forget(ref.uid)
         self._next_plan.pop(ref.uid, None)
+        self.waiting.leave(ref)
         return (body, job, True), outcome
 
     async def _planning_refused(

@@ -247,7 +247,10 @@ class Reconciler:
             placement.INSUFFICIENT_GPUS,
             placement.TOPOLOGY_UNSATISFIABLE,
             kueue_topology.CONFLICT,  # room may come back inside Kueue's assignment
+            conditions.RESERVED,  # room comes back once the reservation's holder starts
         )
+        if not waiting:  # placed, finished, suspended: it holds no place in the queue
+            self.placer.waiting.leave(job.ref)
         metrics.observe_job(body, unschedulable=waiting, placed_condition=placed)
         requeue = decision.requeue_after
         retry = self.placer.create_failures.wait(job.ref.uid, job.generation, time.monotonic())

@@ -411,8 +411,11 @@ class OperatorProcess:
         identity: str | None = None,
         lease_namespace: str = "default",
         env: dict[str, str] | None = None,
+        resync_seconds: float = 2,
     ) -> None:
         self.kubeconfig = kubeconfig
+        self.resync_seconds = resync_seconds
+        """Longest wait between two passes of a job (short: the tests need not wait for events)."""
         self.env = env or {}
         """Environment beside the test's (what a Deployment's ``env`` would set)."""
         self.scope = scope
@@ -447,7 +450,7 @@ class OperatorProcess:
             "--metrics-port",
             str(self.metrics_port),
             "--resync-seconds",
-            "2",
+            str(self.resync_seconds),
             "--progress-seconds",
             "0.5",
         ]

@@ -78,6 +78,12 @@ PLACEMENT_FAILURES = prometheus_client.Counter(
     " counts once per attempt).",
     labelnames=("namespace", "reason"),
 )
+REPLANS = prometheus_client.Counter(
+    "meshtrain_operator_replans",
+    "Plans of a job that already waited for capacity in this replica (woken by a capacity change "
+    "that could admit it, or by its resync), by the job's namespace.",
+    labelnames=("namespace",),
+)
 PLACEMENT_FAILURE_REASONS = (
     placement.INSUFFICIENT_GPUS,
     placement.TOPOLOGY_UNSATISFIABLE,

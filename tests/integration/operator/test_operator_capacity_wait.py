@@ -1,0 +1,53 @@
+"""A job waiting for GPUs is planned again only for a capacity change that could admit it
+(``policy.capacity_queue``): nodes that still leave it short wake nothing; the one that makes
+room places it.  Against a real API server and kube-scheduler, with its own operator whose
+resync is long, so that every plan it makes is one a change woke."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+
+from tests.builders import JobBuilder
+from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_for
+
+
+def _unplaced_plans(operator: OperatorProcess, namespace: str) -> float:
+    """The operator's count of plans that placed nothing in ``namespace`` (every reason)."""
+    pattern = rf'^meshtrain_operator_placement_failures_total\{{[^}}]*namespace="{namespace}"[^}}]*\}} (\S+)$'
+    return sum(float(v) for v in re.findall(pattern, operator.metrics(), re.M))
+
+
+def test_a_waiting_job_is_planned_only_for_a_change_that_could_admit_it(
+    control_plane_binaries, tmp_path
+):
+    with Cluster.private(control_plane_binaries) as cluster:
+        operator = OperatorProcess(
+            cluster.kubeconfig, str(tmp_path / "operator.log"), resync_seconds=300
+        )
+        operator.start()
+        try:
+            namespace, pool = f"wait-{uuid.uuid4().hex[:6]}", f"p{uuid.uuid4().hex[:6]}"
+            cluster.core.create_namespace({"metadata": {"name": namespace}})
+            cluster.add_node(pool, gpus=8)
+            cluster.apply(JobBuilder("big", namespace, pool).layout(data=32).gpus(8))  # 4 x 8 GPUs
+            wait_for(
+                "Placed=False for want of GPUs",
+                lambda: (
+                    cluster.condition(namespace, "big", "Placed").get("reason")
+                    == "InsufficientGPUs"
+                ),
+            )
+            wait_for("the first plan counted", lambda: _unplaced_plans(operator, namespace) >= 1)
+            time.sleep(1.0)  # a pass its own status write woke has come and gone
+            before = _unplaced_plans(operator, namespace)
+            for _ in range(2):  # 24 GPUs: three nodes cannot hold four pods of 8
+                cluster.add_node(pool, gpus=8)
+            time.sleep(3.0)
+            assert _unplaced_plans(operator, namespace) == before
+            cluster.add_node(pool, gpus=8)  # 32: room for the gang
+            cluster.wait_gang(namespace, "big", 4)
+            assert _unplaced_plans(operator, namespace) == before  # woken once, and placed
+        finally:
+            operator.stop()

@@ -1,0 +1,229 @@
+"""Waiting for capacity: which jobs a capacity change wakes, once per change, and the reservation
+that bounds the wait of the longest-waiting gang (``policy.capacity_queue``, ``waiting.Queue``,
+``handlers.Wakeups``, ``placement_lock``)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from meshtrain.api import spec as api_spec
+from meshtrain.operator import handlers, placement_lock, waiting
+from meshtrain.operator.cluster import informer
+from meshtrain.operator.policy import capacity_queue, feasibility, identity
+from tests.builders import JobBuilder
+
+GPU = "nvidia.com/gpu"
+
+
+def _need(pods: int, shape: str = "8-gpu", gpus: int = 8) -> capacity_queue.Need:
+    return capacity_queue.Need(shape=shape, gpus_per_pod=gpus, pods=pods)
+
+
+@pytest.mark.parametrize(
+    ("free", "woken"),
+    [
+        (0, ["unknown"]),
+        (2, ["unknown", "two"]),
+        (4, ["unknown", "two", "four"]),
+        (9, ["unknown", "two", "four", "eight"]),
+    ],
+)
+def test_a_capacity_change_wakes_only_the_jobs_whose_pods_fit_the_free_slots(
+    free: int, woken: list[str]
+) -> None:
+    asked: list[object] = []
+
+    def free_slots(shape: object) -> int:
+        asked.append(shape)
+        return free
+
+    waiting_jobs = {"unknown": None, "two": _need(2), "four": _need(4), "eight": _need(8)}
+    assert capacity_queue.admissible(waiting_jobs, free_slots) == woken
+    assert asked == ["8-gpu"]  # counted once for all the jobs of one shape
+
+
+def test_the_longest_waiting_job_holds_the_reservation_once_it_has_waited_long_enough() -> None:
+    young = capacity_queue.Waiting("young", _need(1), since=100.0)
+    old = capacity_queue.Waiting("old", _need(64), since=10.0)
+    assert (
+        capacity_queue.holder([young, old], now=10.0 + capacity_queue.RESERVE_AFTER_SECONDS - 1)
+        is None
+    )
+    assert (
+        capacity_queue.holder([young, old], now=10.0 + capacity_queue.RESERVE_AFTER_SECONDS) == old
+    )
+    assert capacity_queue.holder([], now=1e9) is None
+
+
+@pytest.mark.parametrize(
+    ("job", "holder_free", "held"),
+    [
+        (_need(1), 5, True),  # the one slot it takes is one the 8-pod holder waits for
+        (_need(1), 9, False),  # 9 free: 8 are left for the holder beside it
+        (_need(2), 9, True),
+        (_need(1, "1-gpu", gpus=1), 8, True),  # a 1-GPU pod still breaks an 8-GPU slot
+        (_need(1, "1-gpu", gpus=1), 9, False),
+    ],
+)
+def test_a_job_is_held_back_when_it_could_take_the_slots_the_holder_waits_for(
+    job: capacity_queue.Need, holder_free: int, held: bool
+) -> None:
+    reserved = capacity_queue.Waiting("holder", _need(8), since=0.0)
+    assert capacity_queue.held_back("other", job, reserved, holder_free) is held
+    assert capacity_queue.held_back("holder", _need(8), reserved, 0) is False  # never itself
+    assert capacity_queue.held_back("other", job, None, 0) is False  # no reservation: never
+
+
+def _node(name: str, gpus: int = 8) -> dict[str, Any]:
+    amounts = {GPU: str(gpus), "cpu": "96", "memory": "1Ti", "pods": "110"}
+    return {
+        "kind": "Node",
+        "metadata": {"name": name, "resourceVersion": "1", "labels": {}},
+        "spec": {},
+        "status": {"allocatable": amounts, "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+
+
+def _bound(name: str, node: str, gpus: int = 8) -> dict[str, Any]:
+    limits = {GPU: str(gpus)}
+    return {
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "other", "resourceVersion": "1", "labels": {}},
+        "spec": {
+            "nodeName": node,
+            "containers": [
+                {"name": "c", "image": "i", "resources": {"limits": limits, "requests": limits}}
+            ],
+        },
+        "status": {"phase": "Running"},
+    }
+
+
+def _job(
+    name: str, pods: int
+) -> tuple[identity.JobRef, api_spec.TrainingJobSpec, feasibility.Demand]:
+    spec = api_spec.TrainingJobSpec.model_validate(
+        JobBuilder().layout(data=pods, tensor=8, gpus_per_node=8).raw()
+    )
+    demand = feasibility.Demand(requests={GPU: 8}, tolerations=(), node_selector={})
+    return identity.JobRef(name, "ns", f"uid-{name}"), spec, demand
+
+
+def test_the_queue_counts_free_slots_on_the_cache_and_wakes_what_fits() -> None:
+    cache = informer.Cache()
+    for i in range(4):
+        cache.nodes.upsert(_node(f"n{i}"))
+    cache.pods.upsert(_bound("busy", "n0"))
+    queue = waiting.Queue(cache)
+    small, large = _job("small", 2), _job("large", 4)
+    queue.enter(*small)
+    queue.enter(*large)
+    assert queue.free_slots(waiting.shape_of(small[2])) == 3  # feasibility.slots, node by node
+    assert queue.wake([("ns", "small"), ("ns", "large"), ("ns", "new")]) == [
+        ("ns", "small"),
+        ("ns", "new"),  # not entered yet (never planned here): woken
+    ]
+    queue.leave(large[0])
+    assert queue.entries.keys() == {"uid-small"}
+
+
+def _three_free_nodes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[informer.Cache, waiting.Queue, list[float]]:
+    """Four 8-GPU nodes, one busy; a queue on them and the clock it reads."""
+    cache = informer.Cache()
+    for i in range(4):
+        cache.nodes.upsert(_node(f"n{i}"))
+    cache.pods.upsert(_bound("busy", "n0"))
+    queue = waiting.Queue(cache)
+    clock = [0.0]
+    monkeypatch.setattr(waiting.time, "monotonic", lambda: clock[0])
+    return cache, queue, clock
+
+
+def test_the_reservation_holds_back_others_until_its_holder_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cache, queue, clock = _three_free_nodes(monkeypatch)
+    large, small = _job("large", 4), _job("small", 1)
+    queue.enter(*large)
+    clock[0] = 10.0
+    queue.enter(*small)
+    assert queue.held_back(*small) is None  # nobody has waited long enough
+    clock[0] = capacity_queue.RESERVE_AFTER_SECONDS + 1
+    assert queue.held_back(*small) == queue.entries["uid-large"]  # 3 free < 4: it waits
+    assert queue.held_back(*large) is None
+    assert queue.wake([("ns", "small"), ("ns", "large")]) == []  # 3 slots: neither can start
+    cache.pods.remove(_bound("busy", "n0"))
+    assert queue.wake([("ns", "small"), ("ns", "large")]) == [("ns", "large")]  # 4 free: the holder
+
+
+def test_urgent_waiters_take_the_placement_lock_before_earlier_ordinary_ones() -> None:
+    async def scenario() -> list[str]:
+        lock, order = placement_lock.PlacementLock(), []
+        await lock.acquire()
+
+        async def ordinary(name: str) -> None:
+            async with lock:
+                order.append(name)
+
+        async def urgent(name: str) -> None:
+            async with lock.urgent():
+                order.append(name)
+
+        tasks = [asyncio.create_task(ordinary("plan-1")), asyncio.create_task(ordinary("plan-2"))]
+        await asyncio.sleep(0)
+        cancelled = asyncio.create_task(ordinary("cancelled"))
+        tasks.append(asyncio.create_task(urgent("lift")))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        lock.release()
+        await asyncio.gather(*tasks)
+        assert not lock.locked()
+        return order
+
+    assert asyncio.run(scenario()) == ["lift", "plan-1", "plan-2"]
+
+
+def test_capacity_changes_close_together_wake_each_admitted_job_once() -> None:
+    async def scenario() -> tuple[list[list[tuple[str, str]]], dict[str, bool]]:
+        asked: list[list[tuple[str, str]]] = []
+
+        def admit(keys: list[tuple[str, str]]) -> list[tuple[str, str]]:
+            asked.append(keys)
+            return [k for k in keys if k[1] != "too-big"]
+
+        wakeups = handlers.Wakeups(admit)
+        events = {name: wakeups.event(("ns", name)) for name in ("fits", "too-big", "running")}
+        wakeups.set_waiting(("ns", "fits"), True)
+        wakeups.set_waiting(("ns", "too-big"), True)
+        for _ in range(10):  # ten pods of one gang end together
+            wakeups.poke_waiting()
+        await asyncio.sleep(handlers.WAKE_COALESCE_SECONDS * 2)
+        return asked, {name: event.is_set() for name, event in events.items()}
+
+    asked, woken = asyncio.run(scenario())
+    assert asked == [[("ns", "fits"), ("ns", "too-big")]]  # one question for the ten changes
+    assert woken == {"fits": True, "too-big": False, "running": False}
+
+
+def test_jobs_kueue_admitted_neither_hold_the_reservation_nor_are_held_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Kueue's queue orders its own jobs: the reservation is among the operator's others."""
+    cache, queue, clock = _three_free_nodes(monkeypatch)
+    queued, large, small = _job("queued", 4), _job("large", 4), _job("small", 1)
+    queue.kueue.add(queued[0].uid)
+    queue.enter(*queued)  # waited longest, but Kueue's
+    clock[0] = 5.0
+    queue.enter(*large)
+    clock[0] = capacity_queue.RESERVE_AFTER_SECONDS + 10
+    assert queue.holder() == queue.entries["uid-large"]
+    assert queue.held_back(*small) == queue.entries["uid-large"]
+    queue.kueue.add(small[0].uid)
+    assert queue.held_back(*small) is None
+    queue.leave(queued[0])
+    assert queued[0].uid not in queue.kueue
