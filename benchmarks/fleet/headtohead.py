@@ -59,22 +59,13 @@ FLEET_NODES = {"type": "kwok"}
 SAMPLE_SECONDS = 2.0
 
 
-class Bindings:
+class Bindings(observe.WatchThread):
     """A pod watch of the trace's namespace: the node each pod index of each job was first bound to."""
 
     def __init__(self, api: kubernetes.client.ApiClient, pods: Mapping[str, int]) -> None:
-        self._core = kubernetes.client.CoreV1Api(api)
+        super().__init__(api)
         self._pods = dict(pods)
         self._nodes: dict[str, dict[int, str]] = collections.defaultdict(dict)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
 
     def binding(self, job: str) -> list[str] | None:
         """Node of each pod index of ``job``, once every index was bound."""

@@ -59,11 +59,30 @@ class CapacityChange:
         return sum(1 for gpus in self.waiting if gpus <= self.free_gpus)
 
 
-class Observer:
+class WatchThread:
+    """A daemon thread running ``_run`` until :meth:`stop`; subclasses watch pods in it."""
+
+    def __init__(self, api: kubernetes.client.ApiClient) -> None:
+        self._core = kubernetes.client.CoreV1Api(api)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+class Observer(WatchThread):
     """A pod watch of one namespace in a thread, and what it recorded."""
 
     def __init__(self, api: kubernetes.client.ApiClient, namespace: str, fleet_gpus: int) -> None:
-        self._core = kubernetes.client.CoreV1Api(api)
+        super().__init__(api)
         self._namespace = namespace
         self.fleet_gpus = fleet_gpus
         self.jobs: dict[str, JobRecord] = {}
@@ -74,15 +93,6 @@ class Observer:
         """(monotonic time, allocated GPUs, waiting jobs) every sample."""
         self.watch_restarts = 0
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
 
     def applied(self, name: str, gpus: int) -> None:
         with self._lock:
