@@ -182,6 +182,17 @@ MAX_CLASS_SELECTORS = 32
 MAX_CLAIM_RESULTS = 32
 """Allocated devices read from one ResourceClaim (resource.k8s.io/v1's limit)."""
 
+MAX_EVALUATED_SELECTOR_LENGTH = 1_024
+"""Longest CEL selector the operator evaluates itself (a longer one is left to kube-scheduler)."""
+
+MAX_EVALUATED_SELECTORS_CHARS = 4_096
+"""Characters of a request's selectors, its class's included, the operator evaluates on a device
+(more: the verdict is left to kube-scheduler)."""
+
+MAX_CEL_CHARS_PER_NODE = 32_768
+"""Selector characters the operator evaluates for one node's devices in one verdict (verdicts
+remembered for devices alike are free); past it the node's verdict is left to kube-scheduler."""
+
 MAX_CLUSTER_FILE_BYTES = 256 * 1_048_576
 """Largest ``meshtrain plan --cluster`` file read (``kubectl get nodes,resourceslices -o yaml`` of
 a large cluster)."""

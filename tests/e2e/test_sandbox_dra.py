@@ -296,15 +296,21 @@ def test_dra_example_job_succeeds_with_the_planned_nodes_devices(
     final = example.follow(paths, namespace, name, timeout=900, on_change=record)
     status = final["status"]
     assert status["phase"] == "Succeeded", json.dumps(status, indent=2)
-    template = _get(
-        paths, "resourceclaimtemplate", naming.gpu_claim_template_name(name), "-n", namespace
-    )
-    owner = template["metadata"]["ownerReferences"][0]
-    assert (owner["kind"], owner["name"], owner["controller"]) == ("TrainingJob", name, True)
     planned = {p["podIndex"]: p["node"] for p in status["placement"]}
     gpus_per_node = job.manifest()["spec"]["resources"]["gpusPerNode"]
     slices = _slices(paths)
     assert len(seen) == len(planned) == 2, sorted(seen)
+    claimed_from = {
+        c["resourceClaimTemplateName"]
+        for pod, _, _ in seen.values()
+        for c in pod["spec"]["resourceClaims"]
+        if c["name"] == naming.GPU_CLAIM
+    }
+    [template_name] = claimed_from  # <job>-gpus-<hash10>: one spec, one template
+    assert template_name.startswith(f"{name}-gpus-"), template_name
+    template = _get(paths, "resourceclaimtemplate", template_name, "-n", namespace)
+    owner = template["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["controller"]) == ("TrainingJob", name, True)
     for pod_name, (pod, results, env) in seen.items():
         index = int(pod_name.rsplit("-", 1)[1])
         node_name = pod["spec"]["nodeName"]

@@ -39,7 +39,8 @@ def test_a_dra_job_gets_one_owned_claim_template_of_gpus_per_node_devices():
     assert template["apiVersion"] == "resource.k8s.io/v1"
     assert template["kind"] == "ResourceClaimTemplate"
     metadata = template["metadata"]
-    assert (metadata["name"], metadata["namespace"]) == ("llm-gpus", "research")
+    hashed = metadata["labels"][naming.LABEL_SPEC_HASH][: naming.CLAIM_TEMPLATE_HASH_CHARS]
+    assert (metadata["name"], metadata["namespace"]) == (f"llm-gpus-{hashed}", "research")
     assert metadata["labels"][naming.LABEL_JOB] == "llm"
     [owner] = metadata["ownerReferences"]
     assert owner["uid"] == "1234" and owner["controller"] and owner["kind"] == "TrainingJob"
@@ -68,9 +69,10 @@ def test_a_dra_job_gets_one_owned_claim_template_of_gpus_per_node_devices():
 def test_a_dra_pod_claims_its_gpus_from_the_template_and_asks_no_extended_resource():
     spec = spec_of(_dra().resources(extraResources={"rdma/ib": "1"}))
     pods = builders.build_pods(REF, spec, 3, ["n-a", "n-b"])
+    [template] = builders.build_device_claims(REF, spec)
     for pod in pods:
         assert pod["spec"]["resourceClaims"] == [
-            {"name": "gpus", "resourceClaimTemplateName": "llm-gpus"}
+            {"name": "gpus", "resourceClaimTemplateName": template["metadata"]["name"]}
         ]
         resources = pod["spec"]["containers"][0]["resources"]
         assert resources["claims"] == [{"name": "gpus"}]
@@ -79,7 +81,9 @@ def test_a_dra_pod_claims_its_gpus_from_the_template_and_asks_no_extended_resour
 
 def test_a_spare_pod_holds_its_node_s_gpus_through_a_claim_too():
     spare = builders.build_spare_pod(REF, spec_of(_dra()), 0, 0, "n-c")
-    assert spare["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] == "llm-gpus"
+    [template] = builders.build_device_claims(REF, spec_of(_dra()))
+    claimed = spare["spec"]["resourceClaims"][0]["resourceClaimTemplateName"]
+    assert claimed == template["metadata"]["name"]
     assert spare["spec"]["containers"][0]["resources"]["claims"] == [{"name": "gpus"}]
 
 
@@ -94,7 +98,7 @@ def test_match_attribute_constrains_the_devices_of_one_pod():
 def test_a_compute_domain_spans_the_gang_and_each_pod_claims_its_channel():
     spec = spec_of(_dra(compute_domain=True))
     template, domain = builders.build_device_claims(REF, spec)
-    assert template["metadata"]["name"] == "llm-gpus"
+    assert template["metadata"]["name"].startswith("llm-gpus-")
     assert (domain["apiVersion"], domain["kind"]) == (
         "resource.nvidia.com/v1beta1",
         "ComputeDomain",
@@ -102,13 +106,13 @@ def test_a_compute_domain_spans_the_gang_and_each_pod_claims_its_channel():
     assert domain["metadata"]["name"] == "llm"
     assert domain["metadata"]["ownerReferences"][0]["uid"] == "1234"
     assert domain["spec"] == {
-        "numNodes": spec.pods,
+        "numNodes": 0,  # IMEX daemons where the channel claims land: the same spec at any size
         "channel": {"resourceClaimTemplate": {"name": "llm-channel"}},
     }
     assert spec.pods == 2
     pod = builders.build_pod(REF, spec, 0, 1, "n-b")
     assert pod["spec"]["resourceClaims"] == [
-        {"name": "gpus", "resourceClaimTemplateName": "llm-gpus"},
+        {"name": "gpus", "resourceClaimTemplateName": template["metadata"]["name"]},
         {"name": "channel", "resourceClaimTemplateName": "llm-channel"},
     ]
     assert pod["spec"]["containers"][0]["resources"]["claims"] == [
@@ -124,18 +128,39 @@ def _stamps(builder: JobBuilder) -> dict[str, str]:
     }
 
 
+def _names(builder: JobBuilder) -> dict[str, str]:
+    return {
+        o["kind"]: o["metadata"]["name"]
+        for o in builders.build_device_claims(REF, spec_of(builder))
+    }
+
+
 def test_the_stamp_follows_each_object_s_spec_and_nothing_else():
     base = _stamps(_dra(compute_domain=True))
     assert base == _stamps(_dra(compute_domain=True).training(steps=7))  # same objects
     wider = _stamps(_dra(compute_domain=True).parallelism(data=8))  # 4 pods, same devices per pod
-    assert wider["ResourceClaimTemplate"] == base["ResourceClaimTemplate"]
-    assert wider["ComputeDomain"] != base["ComputeDomain"]
+    assert wider == base  # a resized gang keeps its template and its domain (numNodes 0)
     other = _stamps(
         JobBuilder()
         .layout(data=4, tensor=2, gpus_per_node=4)
         .dra("gpu.nvidia.com", H200, compute_domain=True)
     )
     assert other["ResourceClaimTemplate"] != base["ResourceClaimTemplate"]
+
+
+def test_a_changed_claim_spec_is_a_new_template_name_never_the_same_name_replaced():
+    """A template's spec is immutable: a same-named one replaced would race the claim controller's
+    copy of it; the name carries the spec's hash instead."""
+    base = _names(_dra(compute_domain=True))
+    assert base == _names(_dra(compute_domain=True).parallelism(data=8))
+    other = _names(
+        JobBuilder()
+        .layout(data=4, tensor=2, gpus_per_node=4)
+        .dra("gpu.nvidia.com", H200, compute_domain=True)
+    )
+    assert other["ResourceClaimTemplate"] != base["ResourceClaimTemplate"]
+    assert other["ComputeDomain"] == base["ComputeDomain"] == "llm"
+    assert base["ResourceClaimTemplate"].startswith("llm-gpus-")
 
 
 def test_an_invalid_selector_is_told_by_its_spec_field():
@@ -169,8 +194,9 @@ def test_an_override_s_own_claims_are_added_to_the_gpus_never_instead_of_them():
         "containers": [{"name": naming.CONTAINER, "resources": {"claims": [{"name": "nic"}]}}],
     }
     pod = builders.build_pod(REF, spec_of(_dra().pod_template(override)), 0, 0, "n-a")
+    [template] = builders.build_device_claims(REF, spec_of(_dra().pod_template(override)))
     assert pod["spec"]["resourceClaims"] == [
-        {"name": "gpus", "resourceClaimTemplateName": "llm-gpus"},
+        {"name": "gpus", "resourceClaimTemplateName": template["metadata"]["name"]},
         nic,
     ]
     assert pod["spec"]["containers"][0]["resources"]["claims"] == [

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from meshtrain import placement
+from meshtrain.api import limits
 from meshtrain.operator.policy import capacity, device_cel, devices, feasibility
 
 DRIVER = "gpu.sim.meshtrain.io"
@@ -247,3 +248,66 @@ def test_devices_alike_in_what_selectors_read_share_one_verdict_and_only_those()
     odd = {**gpu(8), "attributes": {**gpu(8)["attributes"], "extra": {"bool": True}}}
     found = devices.inventory([slice_of("n2", [gpu(0), odd])], [], [CLASS])
     assert devices.fit(request(1, counted), found, "n2").free == 1
+
+
+HOSTILE = "[{0}].all(a, [{0}].all(b, [{0}].all(c, [{0}].all(d, a + b + c + d >= 0))))".format(
+    ", ".join(str(i) for i in range(100))
+)
+"""A selector the API server would refuse by its cost, but that evaluated here would take hours
+(10^8 steps): the operator must never run it on its event loop."""
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The expressions ``device_cel.evaluate`` is asked to evaluate, from now on."""
+    evaluated: list[str] = []
+    evaluate = device_cel.evaluate
+
+    def counted(expression: str, variables: Any) -> device_cel.Verdict:
+        evaluated.append(expression)
+        return evaluate(expression, variables)
+
+    monkeypatch.setattr(device_cel, "evaluate", counted)
+    return evaluated
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        HOSTILE,
+        f'device.attributes["{DRIVER}"].productName.matches("(a+)+$")',  # backtracking regexp
+        f'device.attributes["{DRIVER}"].productName != "x" && ' * 30 + "true",  # too long
+    ],
+)
+def test_a_selector_of_unbounded_cost_is_never_evaluated_but_left_to_the_scheduler(
+    hostile: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    evaluated = _counting(monkeypatch)
+    found = devices.inventory([slice_of("n1", [gpu(i) for i in range(8)])], [], [CLASS])
+    fitted = devices.fit(request(1, hostile), found, "n1")
+    assert fitted.deferred and fitted.reason is not None
+    assert device_cel.LEFT_TO_SCHEDULER in fitted.reason
+    assert evaluated == []
+    ask = devices.Ask(found, "nvidia.com/gpu", 1, request(1, hostile))
+    assert devices.judge(ask, "n1", {}, {}) == devices.NodeDevices(None)
+
+
+def test_one_node_s_devices_get_a_bounded_cel_budget_past_which_the_scheduler_judges(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Selectors each device evaluates anew (they read its uuid, so no two devices share a
+    verdict), on a node of many devices: the evaluation stops at the node's budget."""
+    reads_uuid = f'device.attributes["{DRIVER}"].uuid != "{"x" * 400}"'
+    selectors = [reads_uuid] * 8  # 8 x ~450 characters: under the request's bound
+    gpus = [
+        {**gpu(i), "attributes": {**gpu(i)["attributes"], "uuid": {"string": f"GPU-{i}"}}}
+        for i in range(128)
+    ]
+    found = devices.inventory([slice_of("n1", gpus)], [], [CLASS])
+    evaluated = _counting(monkeypatch)
+    fitted = devices.fit(request(1, *selectors), found, "n1")
+    assert fitted.deferred and device_cel.LEFT_TO_SCHEDULER in (fitted.reason or "")
+    cost = sum(map(len, [*devices.device_class(CLASS).selectors, *selectors]))
+    assert 0 < len(evaluated) <= (limits.MAX_CEL_CHARS_PER_NODE // cost) * (len(selectors) + 1)
+    # the same selectors on a node of eight devices are within the budget, and judged here
+    few = devices.inventory([slice_of("n2", gpus[:8])], [], [CLASS])
+    assert devices.fit(request(1, *selectors), few, "n2").slots == 8

@@ -142,9 +142,9 @@ whose gangs get one only, in either watch mode.
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["localqueues"]
   verbs: ["get"]
-# DRA (resources.dra): each job's ResourceClaimTemplate <job>-gpus its pods claim their GPUs
-# from (created before them, kept across gang restarts, replaced when its spec changes, deleted
-# with the job), and with resources.dra.computeDomain its ComputeDomain (NVIDIA's DRA driver).
+# DRA (resources.dra): each job's ResourceClaimTemplate <job>-gpus-<hash10> its pods claim their
+# GPUs from (created before them, kept across gang restarts, a new name when its spec changes,
+# deleted with the job), and with resources.dra.computeDomain its ComputeDomain (NVIDIA's DRA driver).
 - apiGroups: ["resource.k8s.io"]
   resources: ["resourceclaimtemplates"]
   verbs: ["get", "list", "watch", "create", "delete"]

@@ -3,7 +3,8 @@
 Random small clusters publish ResourceSlices by hand (no driver runs: a slice is an API object
 with a driver name and a nodeName) with random GPUs (product, memory, NVLink clique, PCIe root; a few tainted),
 and random claims already hold some of them (an allocation written to the claim's status, as
-the scheduler writes it).  For every node, a probe pod pinned to it asks, through a
+the scheduler writes it), and admin-access claims (a monitoring agent's) see all of them while
+holding none.  For every node, a probe pod pinned to it asks, through a
 ResourceClaim, a random number of devices of a random DeviceClass with random CEL selectors
 and, at random, a ``matchAttribute`` constraint: the pod and the claim the operator's own
 ResourceClaimTemplate makes for a random DRA job.  kube-scheduler binding the probe (it allocated
@@ -75,7 +76,9 @@ def scheduled(control_plane_binaries) -> Iterator[Cluster]:
     with Cluster.private(control_plane_binaries) as found:
         api = found.core.api_client
         resource = kubernetes.client.ResourceV1Api(api)
-        found.core.create_namespace({"metadata": {"name": "probe"}})
+        # admin-access claims (DRAAdminAccess) are allowed only in a namespace so labelled
+        labels = {"resource.kubernetes.io/admin-access": "true"}
+        found.core.create_namespace({"metadata": {"name": "probe", "labels": labels}})
         for name, selectors in CLASSES.items():
             spec = {"selectors": [{"cel": {"expression": s}} for s in selectors]}
             resource.create_device_class({"metadata": {"name": name}, "spec": spec})
@@ -115,13 +118,20 @@ def _slice(rng: random.Random, node: str) -> dict[str, Any]:
 
 
 def _claim(
-    name: str, device_class: str, count: int, selectors: list[str], match: str | None
+    name: str,
+    device_class: str,
+    count: int,
+    selectors: list[str],
+    match: str | None,
+    admin: bool = False,
 ) -> dict[str, Any]:
     exactly: dict[str, Any] = {
         "deviceClassName": device_class,
         "allocationMode": "ExactCount",
         "count": count,
     }
+    if admin:
+        exactly["adminAccess"] = True
     if selectors:
         exactly["selectors"] = [{"cel": {"expression": s}} for s in selectors]
     spec: dict[str, Any] = {"devices": {"requests": [{"name": "gpus", "exactly": exactly}]}}
@@ -130,11 +140,18 @@ def _claim(
     return {"metadata": {"name": name}, "spec": spec}
 
 
-def _hold(resource: kubernetes.client.ResourceV1Api, node: str, gpus: list[str]) -> str:
-    """A claim whose allocation (written as the scheduler writes it) holds ``gpus`` of ``node``."""
+def _hold(
+    resource: kubernetes.client.ResourceV1Api, node: str, gpus: list[str], admin: bool = False
+) -> str:
+    """A claim whose allocation (written as the scheduler writes it) holds ``gpus`` of ``node``;
+    with ``admin`` an admin-access claim (a monitoring agent's), which holds them for no one."""
     name = f"held-{uuid.uuid4().hex[:8]}"
-    resource.create_namespaced_resource_claim("probe", _claim(name, DRIVER, len(gpus), [], None))
+    resource.create_namespaced_resource_claim(
+        "probe", _claim(name, DRIVER, len(gpus), [], None, admin)
+    )
     results = [{"request": "gpus", "driver": DRIVER, "pool": node, "device": g} for g in gpus]
+    if admin:
+        results = [{**r, "adminAccess": True} for r in results]
     selector = {
         "nodeSelectorTerms": [
             {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
@@ -246,6 +263,8 @@ def _round(
             gpus = [d["name"] for d in published["spec"]["devices"]]
             if rng.random() < 0.6:
                 claims.append(_hold(resource, name, rng.sample(gpus, rng.randint(1, len(gpus)))))
+            if rng.random() < 0.4:  # a monitoring agent's admin-access claim on every GPU
+                claims.append(_hold(resource, name, gpus, admin=True))
         time.sleep(1.0)  # the scheduler's informers follow slices and claims
         inventory, usage = _operator_view(cluster.kubeconfig)
         for name in names:

@@ -71,7 +71,7 @@ def test_nvidia_s_crd_accepts_the_operator_s_domain_and_pods_claim_its_channel(w
     domain = cluster.custom.get_namespaced_custom_object(
         *DOMAINS, "nvl"
     )  # as NVIDIA's CRD stored it
-    assert domain["spec"]["numNodes"] == 2
+    assert domain["spec"]["numNodes"] == 0  # IMEX daemons where the channel claims land
     assert domain["spec"]["channel"]["resourceClaimTemplate"] == {"name": "nvl-channel"}
     assert domain["spec"]["channel"]["allocationMode"] == "Single"  # the CRD's default
     owner = domain["metadata"]["ownerReferences"][0]
@@ -79,16 +79,16 @@ def test_nvidia_s_crd_accepts_the_operator_s_domain_and_pods_claim_its_channel(w
     pods = cluster.pods(NAMESPACE, "nvl")
     assert len(pods) == 2
     for pod in pods:
-        assert [(c.name, c.resource_claim_template_name) for c in pod.spec.resource_claims] == [
-            ("gpus", "nvl-gpus"),
-            ("channel", "nvl-channel"),
-        ]
+        gpus, channel = pod.spec.resource_claims
+        assert gpus.name == "gpus" and gpus.resource_claim_template_name.startswith("nvl-gpus-")
+        assert (channel.name, channel.resource_claim_template_name) == ("channel", "nvl-channel")
         assert [c.name for c in pod.spec.containers[0].resources.claims] == ["gpus", "channel"]
 
 
-def test_a_domain_whose_spec_changed_is_replaced_because_nvidia_s_crd_refuses_a_change(
-    with_domains,
-):
+def test_a_resized_gang_keeps_its_domain_and_an_outdated_one_is_replaced(with_domains):
+    """numNodes 0 makes the domain's (immutable) spec the same at any gang size: a resized gang
+    keeps it, and its channel template; one an earlier release made (numNodes the gang's size,
+    another spec hash) is replaced, since NVIDIA's CRD refuses a change in place."""
     cluster = with_domains
     job = cluster.apply(_job("resized"))
     ref = identity.JobRef(name="resized", namespace=NAMESPACE, uid=job["metadata"]["uid"])
@@ -101,7 +101,7 @@ def test_a_domain_whose_spec_changed_is_replaced_because_nvidia_s_crd_refuses_a_
 
     assert ensure_children(cluster, ref.uid, [domain_of(4)]) is None
     first = cluster.custom.get_namespaced_custom_object(*DOMAINS, "resized")
-    assert ensure_children(cluster, ref.uid, [domain_of(4)]) is None  # the same spec: kept
+    assert ensure_children(cluster, ref.uid, [domain_of(8)]) is None  # four pods: kept
     kept = cluster.custom.get_namespaced_custom_object(*DOMAINS, "resized")
     assert kept["metadata"]["uid"] == first["metadata"]["uid"]
     # NVIDIA's CRD refuses to change a domain in place ...
@@ -110,12 +110,24 @@ def test_a_domain_whose_spec_changed_is_replaced_because_nvidia_s_crd_refuses_a_
             *DOMAINS, "resized", {"spec": {"numNodes": 4}}
         )
     assert refused.value.status == 422 and "immutable" in refused.value.body
-    # ... so a resized gang's domain (four pods) is a new one
-    assert ensure_children(cluster, ref.uid, [domain_of(8)]) is None
-    replaced = cluster.custom.get_namespaced_custom_object(*DOMAINS, "resized")
-    assert replaced["metadata"]["uid"] != first["metadata"]["uid"]
-    assert replaced["spec"]["numNodes"] == 4
-    assert (
-        replaced["metadata"]["labels"][naming.LABEL_SPEC_HASH]
-        != (first["metadata"]["labels"][naming.LABEL_SPEC_HASH])
+    # ... so one of an earlier release's spec is replaced by the job's
+    cluster.custom.delete_namespaced_custom_object(*DOMAINS, "resized")
+    wait_for(
+        "the domain gone",
+        lambda: (
+            "resized"
+            not in {
+                d["metadata"]["name"]
+                for d in cluster.custom.list_namespaced_custom_object(*DOMAINS)["items"]
+            }
+        ),
     )
+    earlier = domain_of(4)
+    earlier["spec"] = {**earlier["spec"], "numNodes": 2}
+    earlier["metadata"]["labels"] = {**earlier["metadata"]["labels"], naming.LABEL_SPEC_HASH: "old"}
+    cluster.custom.create_namespaced_custom_object(*DOMAINS, earlier)
+    old = cluster.custom.get_namespaced_custom_object(*DOMAINS, "resized")
+    assert ensure_children(cluster, ref.uid, [domain_of(4)]) is None
+    replaced = cluster.custom.get_namespaced_custom_object(*DOMAINS, "resized")
+    assert replaced["metadata"]["uid"] != old["metadata"]["uid"]
+    assert replaced["spec"]["numNodes"] == 0

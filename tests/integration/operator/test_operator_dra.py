@@ -49,11 +49,20 @@ def _dra_job(name: str, namespace: str, pool: str | None, *selectors: str) -> Jo
     )
 
 
-def _template(cluster: Cluster, namespace: str, name: str) -> dict | None:
+def _templates(cluster: Cluster, namespace: str, job: str) -> list[dict]:
+    """The job's GPU claim templates (``<job>-gpus-<hash10>``), oldest first."""
     found = cluster.custom.list_namespaced_custom_object(
         *RESOURCE, namespace, "resourceclaimtemplates"
     )["items"]
-    return next((t for t in found if t["metadata"]["name"] == name), None)
+    mine = [t for t in found if t["metadata"]["name"].startswith(f"{job}-gpus-")]
+    return sorted(mine, key=lambda t: int(t["metadata"]["resourceVersion"]))
+
+
+def _template(cluster: Cluster, namespace: str, job: str) -> dict | None:
+    """The job's one GPU claim template (None: none)."""
+    found = _templates(cluster, namespace, job)
+    assert len(found) <= 1, [t["metadata"]["name"] for t in found]
+    return found[0] if found else None
 
 
 def test_a_dra_gang_claims_its_gpus_from_one_owned_template_kept_across_restarts(
@@ -64,8 +73,9 @@ def test_a_dra_gang_claims_its_gpus_from_one_owned_template_kept_across_restarts
     cluster.apply(_dra_job("claims", namespace, pool, H200, MEMORY))
     pods = cluster.wait_gang(namespace, "claims", 2)
     job = cluster.job(namespace, "claims")
-    template = _template(cluster, namespace, "claims-gpus")
-    assert template is not None, "the API server holds no claims-gpus template"
+    template = _template(cluster, namespace, "claims")
+    assert template is not None, "the API server holds no claims-gpus-<hash> template"
+    name = template["metadata"]["name"]
     [owner] = template["metadata"]["ownerReferences"]
     assert owner["uid"] == job["metadata"]["uid"] and owner["controller"] is True
     assert template["metadata"]["labels"]["meshtrain.io/job"] == "claims"
@@ -78,15 +88,15 @@ def test_a_dra_gang_claims_its_gpus_from_one_owned_template_kept_across_restarts
     ]
     for pod in pods:  # as the API server stored them
         [claim] = pod.spec.resource_claims
-        assert (claim.name, claim.resource_claim_template_name) == ("gpus", "claims-gpus")
+        assert (claim.name, claim.resource_claim_template_name) == ("gpus", name)
         trainer = pod.spec.containers[0]
         assert [c.name for c in trainer.resources.claims] == ["gpus"]
         assert "nvidia.com/gpu" not in (trainer.resources.limits or {})
     # A failed pod restarts the gang: the new pods claim from the very same template.
     cluster.set_pod_phase(namespace, "claims-r0-1", "Failed", exit_code=1)
     pods = cluster.wait_gang(namespace, "claims", 2, attempt=1)
-    assert {p.spec.resource_claims[0].resource_claim_template_name for p in pods} == {"claims-gpus"}
-    kept = _template(cluster, namespace, "claims-gpus")
+    assert {p.spec.resource_claims[0].resource_claim_template_name for p in pods} == {name}
+    kept = _template(cluster, namespace, "claims")
     assert kept is not None and kept["metadata"]["uid"] == template["metadata"]["uid"]
 
 
@@ -120,7 +130,7 @@ def test_a_selector_the_api_server_cannot_compile_is_told_by_its_field_and_fails
     assert f"try {children.INVALID_TRIES};" in failed["message"], failed["message"]
     assert elapsed >= 2 + 4 - 1, elapsed  # the backoff between the tries (2 s, then 4 s)
     assert cluster.pods(namespace, "uncompiled") == []
-    assert _template(cluster, namespace, "uncompiled-gpus") is None
+    assert _template(cluster, namespace, "uncompiled") is None
 
 
 def test_a_compute_domain_on_a_cluster_without_nvidia_s_driver_is_told_and_retried_slowly(
@@ -143,9 +153,12 @@ def test_a_compute_domain_on_a_cluster_without_nvidia_s_driver_is_told_and_retri
     )  # the cluster's, not the spec's
 
 
-def test_a_template_whose_spec_changed_is_replaced_because_the_api_server_refuses_a_change(
+def test_a_changed_claim_spec_gets_a_new_template_never_a_same_named_replacement(
     cluster, namespace
 ):
+    """A claim template's spec is immutable, and kube-controller-manager makes each pod's claim
+    from its own cached copy of the template: one deleted and re-created under the same name could
+    give new pods claims of the old spec.  The name carries the spec's hash instead."""
     job = cluster.apply(_dra_job("changed", namespace, None, H200))
     ref = identity.JobRef(name="changed", namespace=namespace, uid=job["metadata"]["uid"])
 
@@ -155,22 +168,27 @@ def test_a_template_whose_spec_changed_is_replaced_because_the_api_server_refuse
         return template
 
     assert ensure_children(cluster, ref.uid, [template_of(H200)]) is None
-    first = _template(cluster, namespace, "changed-gpus")
+    first = _template(cluster, namespace, "changed")
+    assert first is not None
     assert ensure_children(cluster, ref.uid, [template_of(H200)]) is None  # the same spec: kept
-    assert (
-        _template(cluster, namespace, "changed-gpus")["metadata"]["uid"] == first["metadata"]["uid"]
-    )
+    assert _template(cluster, namespace, "changed")["metadata"]["uid"] == first["metadata"]["uid"]
     # The API server refuses to change a claim template in place ...
     with pytest.raises(kubernetes.client.ApiException) as refused:
         cluster.custom.patch_namespaced_custom_object(
-            *RESOURCE, namespace, "resourceclaimtemplates", "changed-gpus", template_of(MEMORY)
+            *RESOURCE,
+            namespace,
+            "resourceclaimtemplates",
+            first["metadata"]["name"],
+            {"spec": template_of(MEMORY)["spec"]},
         )
     assert refused.value.status == 422 and "immutable" in refused.value.body
-    # ... so a job whose resources.dra changed gets a new one
+    # ... so a job whose resources.dra changed gets a new one, of another name, next to the old
+    # (which pods of the running gang may still claim from; it goes with the job)
     assert ensure_children(cluster, ref.uid, [template_of(MEMORY)]) is None
-    replaced = _template(cluster, namespace, "changed-gpus")
-    assert replaced["metadata"]["uid"] != first["metadata"]["uid"]
-    [request] = replaced["spec"]["spec"]["devices"]["requests"]
+    old, new = _templates(cluster, namespace, "changed")
+    assert old["metadata"]["uid"] == first["metadata"]["uid"]
+    assert new["metadata"]["name"] != old["metadata"]["name"]
+    [request] = new["spec"]["spec"]["devices"]["requests"]
     assert [s["cel"]["expression"] for s in request["exactly"]["selectors"]] == [MEMORY]
 
 
@@ -216,7 +234,7 @@ def test_the_claim_controller_claims_from_the_template_and_the_collector_deletes
         cluster.publish_gpus(cluster.add_node("dra", gpus=4), 4, "dra")  # placement sees devices
     cluster.apply(_dra_job("collected", NAMESPACE, "dra", H200))
     reconcile_passes(cluster, NAMESPACE, "collected")
-    template = _template(cluster, NAMESPACE, "collected-gpus")
+    template = _template(cluster, NAMESPACE, "collected")
     assert template is not None
     pods = cluster.pods(NAMESPACE, "collected")
     assert len(pods) == 2
@@ -238,7 +256,7 @@ def test_the_claim_controller_claims_from_the_template_and_the_collector_deletes
     cluster.delete_job(NAMESPACE, "collected")
     wait_for(  # the garbage collector deletes what the job owned
         "the template gone with its job",
-        lambda: _template(cluster, NAMESPACE, "collected-gpus") is None,
+        lambda: _template(cluster, NAMESPACE, "collected") is None,
         timeout=90,
     )
     assert cluster.job(NAMESPACE, "collected") is None and uid

@@ -78,10 +78,12 @@ the operator's new peers); pods and PodGroups are immutable where it matters and
 instead."""
 
 
-REPLACED = device_claims.KINDS
-"""Kinds whose spec is immutable: one of the job's whose ``meshtrain.io/spec-hash`` differs from
-the job's (a changed resources.dra, a resized gang's ComputeDomain) is deleted and created anew;
-one of the same hash is kept (a restarted gang claims from the same template)."""
+REPLACED = (device_claims.COMPUTE_DOMAIN,)
+"""Kinds whose spec is immutable and whose name does not follow it: one of the job's whose
+``meshtrain.io/spec-hash`` differs from the job's (a ComputeDomain an earlier release made with
+``numNodes`` the gang's size) is deleted and created anew; one of the same hash is kept.  The GPU
+ResourceClaimTemplate is never replaced: its name carries its spec's hash, so a changed
+``resources.dra`` is a new template (a restarted gang claims from the same one)."""
 
 
 def _stamp(obj: Mapping[str, Any]) -> str | None:

@@ -49,7 +49,8 @@ def trim_slice(obj: kube.Body) -> kube.Body:
 
 
 def trim_claim(obj: kube.Body) -> kube.Body:
-    """A ResourceClaim as the cache keeps it: the devices its allocation holds."""
+    """A ResourceClaim as the cache keeps it: the devices its allocation holds (results with
+    ``adminAccess`` hold none and are dropped, :func:`devices.allocated_devices`)."""
     results = [
         {"driver": driver, "pool": pool, "device": device}
         for driver, pool, device in devices.allocated_devices(obj)

@@ -3,8 +3,11 @@
 The DRA environment (``resource.k8s.io/v1``): one variable ``device`` with ``driver``,
 ``attributes[domain].name`` and ``capacity[domain].name`` (a quantity), where an unknown
 domain is an empty map; Kubernetes' ``quantity()`` and ``semver()`` libraries as far as
-selectors use them.  Evaluation is ``cel-python``'s.  An expression that does not parse, names
-what the environment lacks, or fails on a device (a missing attribute, as in Kubernetes) gives
+selectors use them.  Evaluation is ``cel-python``'s, synchronous on the operator's event loop, so
+only expressions of bounded cost are compiled: not too long, no comprehension macro and no
+``matches`` (``UNBOUNDED``); the rest are left to kube-scheduler, which evaluates them under the
+API server's cost limit.  An expression that does not parse, names what the environment lacks, is
+refused by its cost, or fails on a device (a missing attribute, as in Kubernetes) gives
 :class:`Unknown` with the reason: the caller reports it, never crashes on it.  Pure.
 """
 
@@ -23,8 +26,15 @@ from kubernetes.utils import quantity as k8s_quantity
 
 from meshtrain.api import limits
 
-MAX_EXPRESSION_LENGTH = limits.MAX_DRA_SELECTOR_LENGTH
-"""Longest selector evaluated (the API server's bound on a DRA CEL expression)."""
+MAX_EXPRESSION_LENGTH = limits.MAX_EVALUATED_SELECTOR_LENGTH
+"""Longest selector evaluated here (the API server allows ten times as long)."""
+UNBOUNDED = re.compile(r"\b(all|exists|exists_one|map|filter|matches)\s*\(")
+"""Calls whose cost the expression's length does not bound: the comprehension macros (nested,
+they cost the product of their lists' sizes) and ``matches`` (Python's backtracking regular
+expressions, where Kubernetes uses RE2).  Refused at compile time, so that evaluation costs at
+most linear time in the expression's length."""
+LEFT_TO_SCHEDULER = "left to kube-scheduler"
+"""How an expression this evaluator refuses by its cost is described."""
 MAX_REASON = 200
 """Characters of a library error kept in a reason."""
 
@@ -183,7 +193,14 @@ def _short(err: BaseException) -> str:
 def compile_selector(expression: str) -> Any:
     """The program of ``expression``, or an :class:`Unknown` when it cannot be compiled here."""
     if len(expression) > MAX_EXPRESSION_LENGTH:
-        return Unknown(expression, f"longer than {MAX_EXPRESSION_LENGTH} characters")
+        return Unknown(
+            expression, f"longer than {MAX_EXPRESSION_LENGTH} characters: {LEFT_TO_SCHEDULER}"
+        )
+    found = UNBOUNDED.search(expression)
+    if found is not None:
+        return Unknown(
+            expression, f"calls {found.group(1)}(), of unbounded cost: {LEFT_TO_SCHEDULER}"
+        )
     environment = celpy.Environment()
     try:
         return environment.program(environment.compile(expression), functions=dict(FUNCTIONS))

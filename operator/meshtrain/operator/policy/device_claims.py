@@ -1,8 +1,9 @@
 """A DRA job's claim objects, and what its pods add to claim through them (``resources.dra``).
 
-The ResourceClaimTemplate ``<job>-gpus`` (resource.k8s.io/v1: one request ``gpus`` of exactly
-``gpusPerNode`` devices of the job's DeviceClass and selectors, a ``matchAttribute`` constraint
-when set), and with ``computeDomain`` NVIDIA's ComputeDomain ``<job>`` (resource.nvidia.com) whose
+The ResourceClaimTemplate ``<job>-gpus-<hash10>`` (resource.k8s.io/v1, named after its spec's
+hash: one request ``gpus`` of exactly ``gpusPerNode`` devices of the job's DeviceClass and
+selectors, a ``matchAttribute`` constraint when set), and with ``computeDomain`` NVIDIA's
+ComputeDomain ``<job>`` (resource.nvidia.com; ``numNodes: 0``, so its spec never changes) whose
 controller creates the channel template ``<job>-channel``.  Each pod claims ``gpus`` (and
 ``channel``) from them and asks no GPU extended resource.  Also: the API server's refusal of one
 of these objects told in the spec's own words.
@@ -47,13 +48,20 @@ def template_spec(spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
     return {"spec": {"devices": devices}}
 
 
-def compute_domain_spec(job: str, spec: api_spec.TrainingJobSpec) -> dict[str, Any]:
-    """The ComputeDomain's ``spec``: one IMEX daemon per node of the gang (``numNodes``, one pod
-    per node), and the channel template its controller creates for the pods to claim."""
+def compute_domain_spec(job: str) -> dict[str, Any]:
+    """The ComputeDomain's ``spec``: ``numNodes: 0`` (NVIDIA's driver v25.8 and later start an
+    IMEX daemon on each node where a pod's channel claim lands, without waiting for a count), so
+    the spec, immutable, is the same whatever the gang's size: a resized gang keeps its domain and
+    its channel template; and the channel template its controller creates for the pods to claim."""
     return {
-        "numNodes": spec.pods,
+        "numNodes": 0,
         "channel": {"resourceClaimTemplate": {"name": naming.channel_claim_template_name(job)}},
     }
+
+
+def gpu_template_name(job: str, spec: api_spec.TrainingJobSpec) -> str:
+    """The name of the job's GPU ResourceClaimTemplate for this spec (its spec's hash in it)."""
+    return naming.gpu_claim_template_name(job, stamp(template_spec(spec)))
 
 
 def objects(job: str, spec: api_spec.TrainingJobSpec) -> list[tuple[str, str, str, dict[str, Any]]]:
@@ -66,7 +74,7 @@ def objects(job: str, spec: api_spec.TrainingJobSpec) -> list[tuple[str, str, st
         (
             RESOURCE_API_VERSION,
             CLAIM_TEMPLATE,
-            naming.gpu_claim_template_name(job),
+            gpu_template_name(job, spec),
             template_spec(spec),
         )
     ]
@@ -76,28 +84,26 @@ def objects(job: str, spec: api_spec.TrainingJobSpec) -> list[tuple[str, str, st
                 COMPUTE_DOMAIN_API_VERSION,
                 COMPUTE_DOMAIN,
                 naming.compute_domain_name(job),
-                compute_domain_spec(job, spec),
+                compute_domain_spec(job),
             )
         )
     return found
 
 
 def stamp(object_spec: dict[str, Any]) -> str:
-    """A short hash of an object's spec, its ``meshtrain.io/spec-hash`` label: both kinds'
-    specs are immutable, so one whose label differs from the job's is replaced, not patched."""
+    """A short hash of an object's spec, its ``meshtrain.io/spec-hash`` label (and in the GPU
+    template's name): both kinds' specs are immutable."""
     text = json.dumps(object_spec, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def pod_claims(job: str, spec: api_spec.TrainingJobSpec) -> list[dict[str, Any]]:
-    """The pod's ``spec.resourceClaims``: ``gpus`` from ``<job>-gpus``, ``channel`` from
-    ``<job>-channel`` with a ComputeDomain; none without ``resources.dra``."""
+    """The pod's ``spec.resourceClaims``: ``gpus`` from ``<job>-gpus-<hash10>``, ``channel``
+    from ``<job>-channel`` with a ComputeDomain; none without ``resources.dra``."""
     dra = spec.resources.dra
     if dra is None:
         return []
-    found = [
-        {"name": naming.GPU_CLAIM, "resourceClaimTemplateName": naming.gpu_claim_template_name(job)}
-    ]
+    found = [{"name": naming.GPU_CLAIM, "resourceClaimTemplateName": gpu_template_name(job, spec)}]
     if dra.compute_domain:
         found.append(
             {

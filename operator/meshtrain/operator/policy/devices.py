@@ -223,13 +223,17 @@ def inventory(
 
 
 def allocated_devices(claim: Mapping[str, Any]) -> list[Key]:
-    """The devices a ResourceClaim's ``status.allocation`` holds."""
+    """The devices a ResourceClaim's ``status.allocation`` holds.
+
+    A result with ``adminAccess: true`` (a monitoring claim on devices others use) holds nothing:
+    kube-scheduler's allocator skips such results when it gathers the allocated devices.
+    """
     allocation = (claim.get("status") or {}).get("allocation") or {}
     results = (allocation.get("devices") or {}).get("results") or []
     return [
         (str(r.get("driver")), str(r.get("pool")), str(r.get("device")))
         for r in results[: limits.MAX_CLAIM_RESULTS]
-        if isinstance(r, Mapping)
+        if isinstance(r, Mapping) and r.get("adminAccess") is not True
     ]
 
 
@@ -280,6 +284,12 @@ def _read_by(device: Device, selectors: tuple[str, ...]) -> tuple[Any, ...] | No
     return selectors, device.driver, attributes, capacity
 
 
+def remembered(device: Device, selectors: Sequence[str]) -> bool:
+    """Whether :func:`matches` answers for ``device`` without evaluating (a device alike had it)."""
+    key = _read_by(device, tuple(selectors))
+    return not selectors or (key is not None and key in _verdicts)
+
+
 def matches(device: Device, selectors: Sequence[str]) -> device_cel.Verdict:
     """The selectors in order, as the allocator evaluates them: the first that is not true decides.
 
@@ -315,10 +325,18 @@ def fit(request: Request, found: Inventory, node: str, held: int = 0) -> Fit:
         compiled = device_cel.compile_selector(expression)
         if isinstance(compiled, device_cel.Unknown):
             return Fit(slots=0, free=0, unknown=compiled.describe(), deferred=True)
+    cost = sum(len(expression) for expression in selectors)
+    if cost > limits.MAX_EVALUATED_SELECTORS_CHARS:
+        return _left_to_scheduler(f"selectors of {cost} characters")
+    budget = limits.MAX_CEL_CHARS_PER_NODE
     free: list[Device] = []
     for device in found.devices.get(node, ()):
         if device.key in found.allocated or device.tainted:
             continue
+        if not remembered(device, selectors):
+            budget -= cost
+            if budget < 0:
+                return _left_to_scheduler(f"more than {limits.MAX_CEL_CHARS_PER_NODE} characters")
         verdict = matches(device, selectors)
         if isinstance(verdict, device_cel.Unknown):
             return Fit(slots=0, free=0, unknown=verdict.describe())
@@ -326,6 +344,13 @@ def fit(request: Request, found: Inventory, node: str, held: int = 0) -> Fit:
             free.append(device)
     domains = tuple(sorted({str(d.attribute(CLIQUE)) for d in free if d.attribute(CLIQUE)}))
     return Fit(slots=_slots(free, request, held), free=max(len(free) - held, 0), domains=domains)
+
+
+def _left_to_scheduler(what: str) -> Fit:
+    """A verdict whose evaluation would cost more than the operator spends on one node's devices
+    (``limits``): kube-scheduler judges the devices, under the API server's cost limit."""
+    reason = f"{what} of CEL to evaluate on one node: {device_cel.LEFT_TO_SCHEDULER}"
+    return Fit(slots=0, free=0, unknown=reason, deferred=True)
 
 
 def _slots(free: Sequence[Device], request: Request, held: int) -> int:

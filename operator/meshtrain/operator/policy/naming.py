@@ -123,9 +123,16 @@ CHANNEL_CLAIM = "channel"
 """With ``resources.dra.computeDomain``: the pod's claim on its ComputeDomain's IMEX channel."""
 
 
-def gpu_claim_template_name(job: str) -> str:
-    """The job's ResourceClaimTemplate (resource.k8s.io) each pod claims its GPUs from."""
-    return f"{job}-gpus"
+CLAIM_TEMPLATE_HASH_CHARS = 10
+"""Hex digits of its spec's hash in the name of a job's GPU ResourceClaimTemplate."""
+
+
+def gpu_claim_template_name(job: str, spec_hash: str) -> str:
+    """The job's ResourceClaimTemplate (resource.k8s.io) each pod claims its GPUs from:
+    ``<job>-gpus-<hash10>``.  A template's spec is immutable, so its name follows its spec: a
+    changed ``resources.dra`` is a new template, and kube-controller-manager's claim controller
+    never makes a pod's claim from a stale copy of a same-named one."""
+    return f"{job}-gpus-{spec_hash[:CLAIM_TEMPLATE_HASH_CHARS]}"
 
 
 def compute_domain_name(job: str) -> str:
