@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from meshtrain import placement
-from meshtrain.api import limits
-from meshtrain.operator.policy import capacity, device_cel, devices, feasibility
+from meshtrain.api import limits, loading
+from meshtrain.operator.policy import builders, capacity, device_cel, devices, feasibility, identity
+from tests.builders import JobBuilder
 
 DRIVER = "gpu.sim.meshtrain.io"
 CLASS = {
@@ -311,3 +312,25 @@ def test_one_node_s_devices_get_a_bounded_cel_budget_past_which_the_scheduler_ju
     # the same selectors on a node of eight devices are within the budget, and judged here
     few = devices.inventory([slice_of("n2", gpus[:8])], [], [CLASS])
     assert devices.fit(request(1, *selectors), few, "n2").slots == 8
+
+
+def test_gated_extended_resource_pods_hold_the_devices_a_class_serves_them_from() -> None:
+    """KEP-5004: a plain nvidia.com/gpu pod has no claim until kube-scheduler binds it, so the
+    operator's gated pods of two gangs planned onto one DRA-only node must not both count its
+    free devices; bound, the pod counts through its claim's allocation instead."""
+    serving = {**CLASS, "spec": {**CLASS["spec"], "extendedResourceName": "nvidia.com/gpu"}}
+    found = devices.inventory([slice_of("dra", [gpu(i) for i in range(8)])], [], [serving])
+    spec = loading.parse_spec(JobBuilder().layout(data=4, gpus_per_node=4).raw())
+    ref = identity.JobRef(name="first", namespace="ns", uid="u1")
+    gated = builders.build_pod(ref, spec, 0, 0, "dra")  # the first gang's, planned onto "dra"
+    requests = feasibility.pod_requests(gated)
+    used = {**requests, **devices.unbound_extended(gated, requests)}
+    usage = feasibility.Usage(requested=used, pods=1)
+    extended = devices.Ask(found, "nvidia.com/gpu", 4)
+    node = _node("dra")
+    assert capacity.verdict(_demand(4), node, usage, extended) is None  # 4 of 8 left
+    assert capacity.verdict(_demand(4), node, usage, extended, count=2) == devices.CANNOT_ALLOCATE
+    dra = devices.Ask(found, "nvidia.com/gpu", 4, request(4))  # a DRA gang on the same node
+    assert capacity.verdict(_demand(), node, usage, dra, count=2) == devices.CANNOT_ALLOCATE
+    bound = {**gated, "spec": {**gated["spec"], "nodeName": "dra"}}
+    assert devices.unbound_extended(bound, requests) == {}

@@ -587,10 +587,15 @@ class _UsageView(Mapping[str, feasibility.Usage]):
 
 
 def _charged(pod: kube.Body) -> dict[str, int]:
-    """What a pod holds on its node: its requests, and the devices it holds before its claims are
-    allocated (``devices.HELD``)."""
+    """What a pod holds on its node: its requests, the devices it holds before its claims are
+    allocated (``devices.HELD``), and, unbound, its extended resources (``devices.UNBOUND``)."""
     held = devices.held_by(pod)
-    return {**feasibility.pod_requests(pod), **({devices.HELD: held} if held else {})}
+    requests = feasibility.pod_requests(pod)
+    return {
+        **requests,
+        **({devices.HELD: held} if held else {}),
+        **devices.unbound_extended(pod, requests),
+    }
 
 
 def _wake(waker: Waker, what: str, type_: str, obj: kube.Body) -> None:

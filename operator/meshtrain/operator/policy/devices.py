@@ -4,7 +4,8 @@ ResourceSlices (``resource.k8s.io/v1``) publish each node's devices; allocated R
 hold some; DeviceClasses select them by CEL (:mod:`device_cel`).  A node's free devices for a
 request are the published devices of complete pools (the newest generation of each pool, all of
 its slices present) that the class's and the request's selectors match, minus allocated ones
-and the operator's own gated pods' (``HELD``).  A request of ``count`` devices whose
+and the operator's own gated pods' (``HELD``, and ``UNBOUND`` extended resources a KEP-5004
+class serves).  A request of ``count`` devices whose
 ``matchAttribute`` is set takes them from devices that share that attribute's value.  A device's
 NVLink domain is its ``cliqueId`` attribute (of its driver's domain), its PCIe locality
 ``resource.kubernetes.io/pcieRoot``.  Pure.
@@ -29,6 +30,10 @@ PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
 """The standard attribute naming a device's PCIe root complex."""
 HELD = "\0devices"
 """Usage key: devices the operator's own gated pods hold on a node before their claims are allocated."""
+UNBOUND = "\0unbound:"
+"""Usage key prefix: an extended resource (``UNBOUND + name``) that pods not yet bound request on
+their node (the operator's gated pods), which a KEP-5004 class may serve from the node's devices:
+no claim holds those devices until kube-scheduler binds the pod and allocates its claim."""
 CANNOT_ALLOCATE = "cannot allocate all claims"
 """Reason worded as kube-scheduler's DynamicResources filter words it."""
 
@@ -411,6 +416,16 @@ def held_by(pod: Mapping[str, Any]) -> int:
     return 0
 
 
+def unbound_extended(pod: Mapping[str, Any], requests: Mapping[str, int]) -> dict[str, int]:
+    """The extended resources (``domain/name``) an unbound pod without resource claims requests,
+    as ``UNBOUND`` usage keys; nothing for a bound pod (its claim's allocation counts) or one with
+    claims (``held_by`` counts those)."""
+    spec = pod.get("spec") or {}
+    if spec.get("nodeName") or spec.get("resourceClaims"):
+        return {}
+    return {UNBOUND + name: amount for name, amount in requests.items() if "/" in name and amount}
+
+
 @dataclasses.dataclass(frozen=True)
 class Ask:
     """A job's GPUs as placement judges them against the cluster's devices."""
@@ -469,19 +484,21 @@ def judge(
     published = bool(ask.inventory.devices.get(node))
     plugin = allocatable.get(ask.gpu_resource, 0)
     held = used.get(HELD, 0)
+    serving = serving_class(ask.inventory, ask.gpu_resource)
+    # gated pods asking the extended resource where slices serve it take devices no claim holds yet
+    pending = used.get(UNBOUND + ask.gpu_resource, 0) if serving is not None and plugin <= 0 else 0
     if ask.request is not None:
-        doubled = used.get(ask.gpu_resource, 0) if plugin > 0 and published else 0
+        doubled = used.get(ask.gpu_resource, 0) if plugin > 0 and published else pending
         fitted = fit(ask.request, ask.inventory, node, held + doubled)
         if fitted.deferred:
             return NodeDevices(None)
         reason = fitted.reason or CANNOT_ALLOCATE
         return NodeDevices(fitted.slots, reason, nvlink_domain(fitted))
-    serving = serving_class(ask.inventory, ask.gpu_resource)
     if serving is None or not published or ask.gpus_per_pod <= 0:
         return NodeDevices(None)
     request = Request(device_class=serving.name, selectors=(), count=ask.gpus_per_pod)
     if plugin <= 0:  # kube-scheduler serves the request from the class's devices
-        fitted = fit(request, ask.inventory, node, held)
+        fitted = fit(request, ask.inventory, node, held + pending)
         reason = fitted.reason or CANNOT_ALLOCATE
         return NodeDevices(fitted.slots, reason, nvlink_domain(fitted), True)
     claimed = sum(
