@@ -383,7 +383,7 @@ class Cache:
         requested = self._requested.get(node)
         if requested is None:
             requested = self._requested[node] = Counter()
-        for resource, amount in _charged(pod).items():
+        for resource, amount in _charged(pod, bool(self._devices)).items():
             requested[resource] += sign * amount
         self._pods_on[node] += sign
         self._usage_of.pop(node, None)
@@ -417,7 +417,7 @@ class Cache:
             node = self._node_of(pod)
             if node and node in self._requested:
                 left_out.setdefault(node, Counter())
-                left_out[node].update(_charged(pod))
+                left_out[node].update(_charged(pod, bool(self._devices)))
                 left_out[node]["\0pods"] += 1
         return _UsageView(self, left_out)
 
@@ -586,15 +586,16 @@ class _UsageView(Mapping[str, feasibility.Usage]):
         return len(self._cache._requested)
 
 
-def _charged(pod: kube.Body) -> dict[str, int]:
+def _charged(pod: kube.Body, with_devices: bool) -> dict[str, int]:
     """What a pod holds on its node: its requests, the devices it holds before its claims are
-    allocated (``devices.HELD``), and, unbound, its extended resources (``devices.UNBOUND``)."""
+    allocated (``devices.HELD``), and, unbound and ``with_devices`` (the cache follows DRA), its
+    extended resources (``devices.UNBOUND``)."""
     held = devices.held_by(pod)
     requests = feasibility.pod_requests(pod)
     return {
         **requests,
         **({devices.HELD: held} if held else {}),
-        **devices.unbound_extended(pod, requests),
+        **(devices.unbound_extended(pod, requests) if with_devices else {}),
     }
 
 
