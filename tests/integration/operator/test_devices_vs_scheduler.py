@@ -9,7 +9,9 @@ ResourceClaim, a random number of devices of a random DeviceClass with random CE
 and, at random, a ``matchAttribute`` constraint: the pod and the claim the operator's own
 ResourceClaimTemplate makes for a random DRA job.  kube-scheduler binding the probe (it allocated
 the claim) or reporting it Unschedulable is the truth; ``capacity.verdict`` with the devices the
-operator's own cache read (``informer.Cache.inventory``) must agree on every node.
+operator's own cache read (``informer.Cache.inventory``) must agree on every node.  With a
+DeviceClass serving ``nvidia.com/gpu`` (KEP-5004), plain GPU pods get the same comparison, and so
+does a second gang's pod on a node where a first gang's pod was gated when the operator looked.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from meshtrain.operator.policy import (
     naming,
 )
 from tests.builders import JobBuilder
-from tests.integration.operator.cluster import Cluster, wait_for
+from tests.integration.operator.cluster import GROUP, PLURAL, VERSION, Cluster, wait_for
 from tests.integration.operator.test_feasibility_vs_scheduler import (
     _ignore_missing,
     _scheduler_verdict,
@@ -361,6 +363,117 @@ def test_a_plain_gpu_request_served_from_slices_gets_the_schedulers_verdict(sche
         results: list[dict[str, Any]] = []
         for _ in range(ROUNDS // 2):
             results.extend(_round(scheduled, rng, _extended_job))
+    finally:
+        resource.delete_device_class(SERVING)
+    wrong = [r for r in results if r["scheduler_binds"] is (r["operator_reason"] is not None)]
+    assert wrong == [], wrong
+    refused = sum(1 for r in results if not r["scheduler_binds"])
+    assert refused >= 3 and len(results) - refused >= 3, results
+
+
+def _gated_gang(cluster: Cluster, node: str, spec: api_spec.TrainingJobSpec) -> str:
+    """A TrainingJob whose status plans its pod 0 onto ``node``, and that pod, gated, as the
+    operator leaves it until its gang is complete: the pod's name."""
+    name = f"g{uuid.uuid4().hex[:6]}"
+    gpus = spec.resources.gpus_per_node
+    job = JobBuilder(name, "probe").layout(data=gpus, gpus_per_node=gpus).resources(cpu="100m")
+    made = cluster.apply(job)
+    status = {"restarts": 0, "placement": [{"podIndex": 0, "node": node}]}
+    cluster.custom.patch_namespaced_custom_object_status(
+        GROUP, VERSION, "probe", PLURAL, name, {"status": status}
+    )
+    ref = identity.JobRef(name=name, namespace="probe", uid=made["metadata"]["uid"])
+    pod = builders.build_pod(ref, spec, 0, 0, node)
+    cluster.core.create_namespaced_pod("probe", pod)
+    return str(pod["metadata"]["name"])
+
+
+def _two_gangs_round(cluster: Cluster, rng: random.Random) -> list[dict[str, Any]]:
+    """Per node, a first gang's gated pod planned there (the operator's view is read while it is
+    gated), then released and bound by the scheduler; then a second gang's pod: the scheduler's
+    verdict on the second against the operator's, read while the first was still gated."""
+    core = cluster.core
+    api = core.api_client
+    resource = kubernetes.client.ResourceV1Api(api)
+    names = [f"n{uuid.uuid4().hex[:6]}" for _ in range(rng.randint(3, 5))]
+    firsts: dict[str, str] = {}
+    seconds: dict[str, str] = {}
+    asked: dict[str, api_spec.TrainingJobSpec] = {}
+    jobs: list[str] = []
+    try:
+        for name in names:
+            cluster.add_node("dra", gpus=0, name=name)
+            resource.create_resource_slice(_slice(rng, name))
+        time.sleep(1.0)
+        for name in names:
+            first = _extended_job(rng)
+            firsts[name] = _gated_gang(cluster, name, first)
+            jobs.append(firsts[name].rsplit("-r0-", 1)[0])
+        inventory, usage = _operator_view(cluster.kubeconfig)
+        lift = [{"name": naming.GANG_GATE, "$patch": "delete"}]
+        for pod in firsts.values():
+            core.patch_namespaced_pod(pod, "probe", {"spec": {"schedulingGates": lift}})
+        bound = {
+            name: wait_for(
+                f"scheduler decision on {pod}",
+                lambda p=pod: _scheduler_verdict(core, p),
+                timeout=30,
+            )[0]
+            for name, pod in firsts.items()
+        }
+        for name in names:
+            if bound[name]:  # the operator planned it there: it fitted
+                asked[name] = _extended_job(rng)
+                seconds[name] = _probe_extended(core, name, asked[name])["metadata"]["name"]
+        results = []
+        for name, pod_name in seconds.items():
+            truth = wait_for(
+                f"scheduler decision on {pod_name}",
+                lambda p=pod_name: _scheduler_verdict(core, p),
+                timeout=30,
+            )
+            pod = api.sanitize_for_serialization(core.read_namespaced_pod(pod_name, "probe"))
+            node_obj = api.sanitize_for_serialization(core.read_node(name))
+            ask = devices.ask_of(asked[name], inventory)
+            reason = capacity.verdict(
+                feasibility.demand_of(pod), node_obj, usage.get(name, capacity.NOTHING), ask
+            )
+            results.append(
+                {
+                    "node": name,
+                    "scheduler_binds": truth[0],
+                    "scheduler_message": truth[1],
+                    "operator_reason": reason,
+                }
+            )
+        return results
+    finally:
+        for pod in [*firsts.values(), *seconds.values()]:
+            _ignore_missing(core.delete_namespaced_pod, pod, "probe", grace_period_seconds=0)
+        for job in jobs:
+            _ignore_missing(
+                cluster.custom.delete_namespaced_custom_object, GROUP, VERSION, "probe", PLURAL, job
+            )
+        for name in names:
+            _ignore_missing(resource.delete_resource_slice, f"{name}-gpus")
+            _ignore_missing(core.delete_node, name)
+
+
+def test_gated_plain_gpu_gangs_hold_the_devices_a_class_serves_them_from(scheduled):
+    """KEP-5004 with two gangs on one node: the first gang's pod, gated, has no claim yet (the
+    scheduler makes and allocates it when it binds the pod); the operator must count its GPUs as
+    held, or it would plan the second gang onto devices the first takes once released."""
+    resource = kubernetes.client.ResourceV1Api(scheduled.core.api_client)
+    spec = {
+        "selectors": [{"cel": {"expression": s}} for s in CLASSES[DRIVER]],
+        "extendedResourceName": "nvidia.com/gpu",
+    }
+    resource.create_device_class({"metadata": {"name": SERVING}, "spec": spec})
+    try:
+        rng = random.Random(20261202)
+        results: list[dict[str, Any]] = []
+        for _ in range(ROUNDS):
+            results.extend(_two_gangs_round(scheduled, rng))
     finally:
         resource.delete_device_class(SERVING)
     wrong = [r for r in results if r["scheduler_binds"] is (r["operator_reason"] is not None)]
