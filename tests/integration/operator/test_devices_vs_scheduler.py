@@ -234,6 +234,45 @@ def _operator_view(kubeconfig: str) -> tuple[devices.Inventory, dict[str, feasib
     return asyncio.run(read())
 
 
+def _decided(core: kubernetes.client.CoreV1Api, pods: dict[str, str]) -> dict[str, Any]:
+    """Node -> kube-scheduler's (binds, message) on the pod there."""
+    return {
+        name: wait_for(
+            f"scheduler decision on {pod}", lambda p=pod: _scheduler_verdict(core, p), timeout=30
+        )
+        for name, pod in pods.items()
+    }
+
+
+def _compare(
+    core: kubernetes.client.CoreV1Api,
+    probes: dict[str, str],
+    asked: dict[str, api_spec.TrainingJobSpec],
+    inventory: devices.Inventory,
+    usage: dict[str, feasibility.Usage],
+) -> list[dict[str, Any]]:
+    """For each node's probe: the scheduler's verdict and the operator's from its view."""
+    api = core.api_client
+    results = []
+    for name, truth in _decided(core, probes).items():
+        pod = api.sanitize_for_serialization(core.read_namespaced_pod(probes[name], "probe"))
+        node_obj = api.sanitize_for_serialization(core.read_node(name))
+        ask = devices.ask_of(asked[name], inventory)
+        reason = capacity.verdict(
+            feasibility.demand_of(pod), node_obj, usage.get(name, capacity.NOTHING), ask
+        )
+        results.append(
+            {
+                "node": name,
+                "request": ask.request,
+                "scheduler_binds": truth[0],
+                "scheduler_message": truth[1],
+                "operator_reason": reason,
+            }
+        )
+    return results
+
+
 def _random_job(rng: random.Random) -> api_spec.TrainingJobSpec:
     """A DRA job of one pod: random class, selectors, GPUs per pod and matchAttribute."""
     gpus = rng.choice([1, 2, 2, 4])
@@ -277,32 +316,7 @@ def _round(
             pod, claim = _probe(core, resource, name, asked[name])
             probes[name] = pod["metadata"]["name"]
             claims.append(claim)
-        decided = {
-            name: wait_for(
-                f"scheduler decision on {pod}",
-                lambda p=pod: _scheduler_verdict(core, p),
-                timeout=30,
-            )
-            for name, pod in probes.items()
-        }
-        results = []
-        for name, truth in decided.items():
-            pod = api.sanitize_for_serialization(core.read_namespaced_pod(probes[name], "probe"))
-            node_obj = api.sanitize_for_serialization(core.read_node(name))
-            ask = devices.ask_of(asked[name], inventory)
-            reason = capacity.verdict(
-                feasibility.demand_of(pod), node_obj, usage.get(name, capacity.NOTHING), ask
-            )
-            results.append(
-                {
-                    "node": name,
-                    "request": ask.request,
-                    "scheduler_binds": truth[0],
-                    "scheduler_message": truth[1],
-                    "operator_reason": reason,
-                }
-            )
-        return results
+        return _compare(core, probes, asked, inventory, usage)
     finally:
         for pod in probes.values():
             _ignore_missing(core.delete_namespaced_pod, pod, "probe", grace_period_seconds=0)
@@ -349,26 +363,34 @@ def _extended_job(rng: random.Random) -> api_spec.TrainingJobSpec:
     return loading.parse_spec(job.raw())
 
 
-def test_a_plain_gpu_request_served_from_slices_gets_the_schedulers_verdict(scheduled):
-    """Nodes whose GPUs only DRA publishes; a DeviceClass with extendedResourceName
-    nvidia.com/gpu lets kube-scheduler allocate a plain GPU request from them."""
-    resource = kubernetes.client.ResourceV1Api(scheduled.core.api_client)
+def _served_rounds(
+    cluster: Cluster, seed: int, rounds: int, one: Callable[[random.Random], list[dict[str, Any]]]
+) -> None:
+    """``rounds`` of ``one`` while a DeviceClass serves ``nvidia.com/gpu`` from the slices; the
+    operator must agree with the scheduler on every node, which must both bind and refuse."""
+    resource = kubernetes.client.ResourceV1Api(cluster.core.api_client)
     spec = {
         "selectors": [{"cel": {"expression": s}} for s in CLASSES[DRIVER]],
         "extendedResourceName": "nvidia.com/gpu",
     }
     resource.create_device_class({"metadata": {"name": SERVING}, "spec": spec})
     try:
-        rng = random.Random(20261201)
+        rng = random.Random(seed)
         results: list[dict[str, Any]] = []
-        for _ in range(ROUNDS // 2):
-            results.extend(_round(scheduled, rng, _extended_job))
+        for _ in range(rounds):
+            results.extend(one(rng))
     finally:
         resource.delete_device_class(SERVING)
     wrong = [r for r in results if r["scheduler_binds"] is (r["operator_reason"] is not None)]
     assert wrong == [], wrong
     refused = sum(1 for r in results if not r["scheduler_binds"])
     assert refused >= 3 and len(results) - refused >= 3, results
+
+
+def test_a_plain_gpu_request_served_from_slices_gets_the_schedulers_verdict(scheduled):
+    """Nodes whose GPUs only DRA publishes; a DeviceClass with extendedResourceName
+    nvidia.com/gpu lets kube-scheduler allocate a plain GPU request from them."""
+    _served_rounds(scheduled, 20261201, ROUNDS // 2, lambda r: _round(scheduled, r, _extended_job))
 
 
 def _gated_gang(cluster: Cluster, node: str, spec: api_spec.TrainingJobSpec) -> str:
@@ -413,40 +435,12 @@ def _two_gangs_round(cluster: Cluster, rng: random.Random) -> list[dict[str, Any
         lift = [{"name": naming.GANG_GATE, "$patch": "delete"}]
         for pod in firsts.values():
             core.patch_namespaced_pod(pod, "probe", {"spec": {"schedulingGates": lift}})
-        bound = {
-            name: wait_for(
-                f"scheduler decision on {pod}",
-                lambda p=pod: _scheduler_verdict(core, p),
-                timeout=30,
-            )[0]
-            for name, pod in firsts.items()
-        }
+        bound = {name: binds for name, (binds, _) in _decided(core, firsts).items()}
         for name in names:
             if bound[name]:  # the operator planned it there: it fitted
                 asked[name] = _extended_job(rng)
                 seconds[name] = _probe_extended(core, name, asked[name])["metadata"]["name"]
-        results = []
-        for name, pod_name in seconds.items():
-            truth = wait_for(
-                f"scheduler decision on {pod_name}",
-                lambda p=pod_name: _scheduler_verdict(core, p),
-                timeout=30,
-            )
-            pod = api.sanitize_for_serialization(core.read_namespaced_pod(pod_name, "probe"))
-            node_obj = api.sanitize_for_serialization(core.read_node(name))
-            ask = devices.ask_of(asked[name], inventory)
-            reason = capacity.verdict(
-                feasibility.demand_of(pod), node_obj, usage.get(name, capacity.NOTHING), ask
-            )
-            results.append(
-                {
-                    "node": name,
-                    "scheduler_binds": truth[0],
-                    "scheduler_message": truth[1],
-                    "operator_reason": reason,
-                }
-            )
-        return results
+        return _compare(core, seconds, asked, inventory, usage)
     finally:
         for pod in [*firsts.values(), *seconds.values()]:
             _ignore_missing(core.delete_namespaced_pod, pod, "probe", grace_period_seconds=0)
@@ -463,20 +457,4 @@ def test_gated_plain_gpu_gangs_hold_the_devices_a_class_serves_them_from(schedul
     """KEP-5004 with two gangs on one node: the first gang's pod, gated, has no claim yet (the
     scheduler makes and allocates it when it binds the pod); the operator must count its GPUs as
     held, or it would plan the second gang onto devices the first takes once released."""
-    resource = kubernetes.client.ResourceV1Api(scheduled.core.api_client)
-    spec = {
-        "selectors": [{"cel": {"expression": s}} for s in CLASSES[DRIVER]],
-        "extendedResourceName": "nvidia.com/gpu",
-    }
-    resource.create_device_class({"metadata": {"name": SERVING}, "spec": spec})
-    try:
-        rng = random.Random(20261202)
-        results: list[dict[str, Any]] = []
-        for _ in range(ROUNDS):
-            results.extend(_two_gangs_round(scheduled, rng))
-    finally:
-        resource.delete_device_class(SERVING)
-    wrong = [r for r in results if r["scheduler_binds"] is (r["operator_reason"] is not None)]
-    assert wrong == [], wrong
-    refused = sum(1 for r in results if not r["scheduler_binds"])
-    assert refused >= 3 and len(results) - refused >= 3, results
+    _served_rounds(scheduled, 20261202, ROUNDS, lambda r: _two_gangs_round(scheduled, r))
