@@ -74,7 +74,7 @@ NAMESPACED_ALLOWED = [
     ("get", "localqueues.kueue.x-k8s.io"),
     *(
         (verb, "resourceclaimtemplates.resource.k8s.io")
-        for verb in ("get", "list", "watch", "create", "delete")
+        for verb in ("get", "create", "delete")
     ),
     *((verb, "computedomains.resource.nvidia.com") for verb in ("get", "create", "delete")),
 ]
@@ -121,6 +121,8 @@ DENIED = [
     ("create", "podgroups.scheduling.x-k8s.io"),  # only with gang.backend=coscheduling
     ("update", "networkpolicies.networking.k8s.io"),
     ("update", "resourceclaimtemplates.resource.k8s.io"),
+    ("list", "resourceclaimtemplates.resource.k8s.io"),  # the operator reads its own by name
+    ("watch", "resourceclaimtemplates.resource.k8s.io"),
     ("create", "resourceclaims.resource.k8s.io"),
     ("delete", "resourceclaims.resource.k8s.io"),
     ("patch", "computedomains.resource.nvidia.com"),

@@ -147,7 +147,7 @@ whose gangs get one only, in either watch mode.
 # deleted with the job), and with resources.dra.computeDomain its ComputeDomain (NVIDIA's DRA driver).
 - apiGroups: ["resource.k8s.io"]
   resources: ["resourceclaimtemplates"]
-  verbs: ["get", "list", "watch", "create", "delete"]
+  verbs: ["get", "create", "delete"]
 - apiGroups: ["resource.nvidia.com"]
   resources: ["computedomains"]
   verbs: ["get", "create", "delete"]
