@@ -84,8 +84,8 @@ class DeviceClaims(base.SpecModel):
         max_length=DEVICE_ATTRIBUTE_MAX_LENGTH,
         pattern=DEVICE_ATTRIBUTE,
         description="Fully qualified device attribute all GPUs of one pod share, e.g. "
-        "resource.kubernetes.io/pcieRoot (one PCIe switch) or gpu.nvidia.com/cliqueId; empty: "
-        "no constraint.",
+        "resource.kubernetes.io/pcieRoot (one PCIe switch); only an attribute the cluster's DRA "
+        "driver publishes (a device without it serves no pod); empty: no constraint.",
     )
     compute_domain: bool = Field(
         False,
