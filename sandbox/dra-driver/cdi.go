@@ -7,6 +7,7 @@ package main
 import (
 	"encoding/json"
 	"fmt"
+	"log"
 	"os"
 	"path/filepath"
 	"strings"
@@ -93,7 +94,9 @@ func removeSpec(dir, claimUID string) error {
 }
 
 // preparedClaims reads back the specs in dir: claim UID -> devices, so a restarted driver
-// still knows which devices are in use.
+// still knows which devices are in use. A spec it cannot read (unreadable, oversized, not
+// one this driver wrote: a crash mid-write, say) is logged and skipped, never a reason for the
+// plugin not to start: the kubelet prepares its claim again, which writes it anew.
 func preparedClaims(dir string) (map[string][]string, error) {
 	paths, err := filepath.Glob(specPath(dir, "*"))
 	if err != nil {
@@ -101,19 +104,35 @@ func preparedClaims(dir string) (map[string][]string, error) {
 	}
 	prepared := map[string][]string{}
 	for _, path := range paths {
-		info, err := os.Stat(path)
-		if err != nil || info.Size() > maxSpecBytes {
-			return nil, fmt.Errorf("CDI spec %s: unreadable or over %d bytes", path, maxSpecBytes)
-		}
-		data, err := os.ReadFile(path)
+		spec, err := readSpec(path)
 		if err != nil {
-			return nil, err
-		}
-		var spec cdiSpec
-		if err := json.Unmarshal(data, &spec); err != nil || len(spec.Devices) != 1 {
-			return nil, fmt.Errorf("CDI spec %s is not one this driver wrote: remove it", path)
+			log.Printf("skipping CDI spec %s: %v", path, err)
+			continue
 		}
 		prepared[spec.Devices[0].Name] = strings.Split(spec.Annotations[annotationDevices], ",")
 	}
 	return prepared, nil
+}
+
+// readSpec reads one spec file this driver wrote (bounded to maxSpecBytes).
+func readSpec(path string) (*cdiSpec, error) {
+	info, err := os.Stat(path)
+	if err != nil {
+		return nil, err
+	}
+	if info.Size() > maxSpecBytes {
+		return nil, fmt.Errorf("over %d bytes", maxSpecBytes)
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var spec cdiSpec
+	if err := json.Unmarshal(data, &spec); err != nil {
+		return nil, fmt.Errorf("not JSON: %w", err)
+	}
+	if len(spec.Devices) != 1 {
+		return nil, fmt.Errorf("%d devices, not the one this driver writes", len(spec.Devices))
+	}
+	return &spec, nil
 }

@@ -89,3 +89,21 @@ func TestPrepareRefusesForeignUnknownAndDoublyUsedDevices(t *testing.T) {
 		t.Fatal(r["u1"].Err)
 	}
 }
+
+func TestACorruptOrOversizedSpecIsSkippedNotFatal(t *testing.T) {
+	d := newDriver(t)
+	if _, err := d.prepare(claim("good", "n0", "gpu-1")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(specPath(d.cdiDir, "torn"), []byte(`{"cdiVersion": "0.6`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	big := make([]byte, maxSpecBytes+1)
+	if err := os.WriteFile(specPath(d.cdiDir, "big"), big, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	prepared, err := preparedClaims(d.cdiDir)
+	if err != nil || len(prepared) != 1 || strings.Join(prepared["good"], ",") != "gpu-1" {
+		t.Fatalf("read back %v %v, want only the good spec", prepared, err)
+	}
+}
