@@ -10,6 +10,7 @@ import pytest
 
 from meshtrain import placement
 from meshtrain.api import limits, loading
+from meshtrain.operator.cluster import device_cache
 from meshtrain.operator.policy import builders, capacity, device_cel, devices, feasibility, identity
 from tests.builders import JobBuilder
 
@@ -334,3 +335,23 @@ def test_gated_extended_resource_pods_hold_the_devices_a_class_serves_them_from(
     assert capacity.verdict(_demand(), node, usage, dra, count=2) == devices.CANNOT_ALLOCATE
     bound = {**gated, "spec": {**gated["spec"], "nodeName": "dra"}}
     assert devices.unbound_extended(bound, requests) == {}
+
+
+@pytest.mark.parametrize(
+    "sharing",
+    [
+        {"consumesCounters": [{"counterSet": "gpu-0-set", "counters": {}}]},
+        {"allowMultipleAllocations": True},
+    ],
+)
+def test_devices_that_share_counters_or_capacity_are_left_to_the_scheduler(
+    sharing: dict[str, Any],
+) -> None:
+    """Partitionable devices (MIG slices consuming a GPU's counters) and devices of consumable
+    capacity are allocated by accounting the operator does not model: it does not count them."""
+    raw = slice_of("n1", [gpu(0), {**gpu(1), **sharing}])
+    found = devices.inventory([device_cache.trim_slice(raw)], [], [CLASS])
+    fitted = devices.fit(request(1), found, "n1")
+    assert fitted.deferred and device_cel.LEFT_TO_SCHEDULER in (fitted.reason or "")
+    ask = devices.Ask(found, "nvidia.com/gpu", 1, request(1))
+    assert devices.judge(ask, "n1", {}, {}) == devices.NodeDevices(None)

@@ -34,6 +34,10 @@ def trim_slice(obj: kube.Body) -> kube.Body:
         for part in ("attributes", "capacity"):
             if isinstance(raw.get(part), dict):
                 device[part] = dict(list(raw[part].items())[: limits.MAX_DEVICE_FIELDS])
+        if raw.get("consumesCounters"):  # partitionable: only whether it shares counters
+            device["consumesCounters"] = [{}]
+        if raw.get("allowMultipleAllocations") is True:
+            device["allowMultipleAllocations"] = True
         if isinstance(raw.get("taints"), list):
             device["taints"] = [
                 {"effect": t.get("effect")}

@@ -61,6 +61,9 @@ class Device:
     tainted: bool = False
     """A NoSchedule or NoExecute device taint (DRADeviceTaints): no claim of the operator's, which
     tolerates none, gets the device."""
+    shared: bool = False
+    """It consumes a pool's shared counters (partitionable devices) or allows several allocations
+    (consumable capacity): accounting the operator does not model, so kube-scheduler judges it."""
 
     @property
     def key(self) -> Key:
@@ -169,6 +172,7 @@ def device_of(driver: str, pool: str, raw: Mapping[str, Any]) -> Device:
             capacity[domain or driver][name] = str(value["value"])
     found = raw.get("taints")
     taints: list[Any] = found if isinstance(found, list) else []
+    shared = bool(raw.get("consumesCounters")) or raw.get("allowMultipleAllocations") is True
     return Device(
         driver=driver,
         pool=pool,
@@ -179,6 +183,7 @@ def device_of(driver: str, pool: str, raw: Mapping[str, Any]) -> Device:
             isinstance(t, Mapping) and t.get("effect") in TAINT_EFFECTS
             for t in taints[: limits.MAX_DEVICE_FIELDS]
         ),
+        shared=shared,
     )
 
 
@@ -332,16 +337,22 @@ def fit(request: Request, found: Inventory, node: str, held: int = 0) -> Fit:
             return Fit(slots=0, free=0, unknown=compiled.describe(), deferred=True)
     cost = sum(len(expression) for expression in selectors)
     if cost > limits.MAX_EVALUATED_SELECTORS_CHARS:
-        return _left_to_scheduler(f"selectors of {cost} characters")
+        return _left_to_scheduler(f"selectors of {cost} characters of CEL")
     budget = limits.MAX_CEL_CHARS_PER_NODE
     free: list[Device] = []
     for device in found.devices.get(node, ()):
         if device.key in found.allocated or device.tainted:
             continue
+        if device.shared:
+            return _left_to_scheduler(
+                f"device {device.name} shares counters or capacity, which are not modelled"
+            )
         if not remembered(device, selectors):
             budget -= cost
             if budget < 0:
-                return _left_to_scheduler(f"more than {limits.MAX_CEL_CHARS_PER_NODE} characters")
+                return _left_to_scheduler(
+                    f"more than {limits.MAX_CEL_CHARS_PER_NODE} characters of CEL on one node"
+                )
         verdict = matches(device, selectors)
         if isinstance(verdict, device_cel.Unknown):
             return Fit(slots=0, free=0, unknown=verdict.describe())
@@ -352,10 +363,9 @@ def fit(request: Request, found: Inventory, node: str, held: int = 0) -> Fit:
 
 
 def _left_to_scheduler(what: str) -> Fit:
-    """A verdict whose evaluation would cost more than the operator spends on one node's devices
-    (``limits``): kube-scheduler judges the devices, under the API server's cost limit."""
-    reason = f"{what} of CEL to evaluate on one node: {device_cel.LEFT_TO_SCHEDULER}"
-    return Fit(slots=0, free=0, unknown=reason, deferred=True)
+    """A verdict the operator does not reach (CEL costing more than it spends on one node's
+    devices, ``limits``; device sharing it does not model): kube-scheduler judges the devices."""
+    return Fit(slots=0, free=0, unknown=f"{what}: {device_cel.LEFT_TO_SCHEDULER}", deferred=True)
 
 
 def _slots(free: Sequence[Device], request: Request, held: int) -> int:
