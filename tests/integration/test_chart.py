@@ -72,10 +72,7 @@ NAMESPACED_ALLOWED = [
     ("patch", "workloads.kueue.x-k8s.io"),
     ("patch", "workloads.kueue.x-k8s.io/status"),
     ("get", "localqueues.kueue.x-k8s.io"),
-    *(
-        (verb, "resourceclaimtemplates.resource.k8s.io")
-        for verb in ("get", "create", "delete")
-    ),
+    *((verb, "resourceclaimtemplates.resource.k8s.io") for verb in ("get", "create", "delete")),
     *((verb, "computedomains.resource.nvidia.com") for verb in ("get", "create", "delete")),
 ]
 # Each gang's own NetworkPolicy: only in the namespaces whose gangs get one (a Role there).
