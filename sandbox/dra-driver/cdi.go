@@ -18,7 +18,8 @@ const (
 	cdiKind = driverName + "/gpu"
 	// cdiVersion is the CDI spec version written (env edits and annotations need >= 0.6.0).
 	cdiVersion = "0.6.0"
-	// annotationDevices records, in a spec, the devices it was written for (comma-separated).
+	// annotationDevices records, in a spec, the devices its claim holds (comma-separated; not
+	// those it shares through admin access).
 	annotationDevices = driverName + "/devices"
 	// maxSpecBytes bounds a spec file read back at startup.
 	maxSpecBytes = 64 << 10
@@ -58,12 +59,13 @@ func cdiDeviceID(claimUID string) string {
 	return cdiKind + "=" + claimUID
 }
 
-// writeSpec writes (atomically) the spec of a claim prepared with these devices.
-func writeSpec(dir, node, claimUID string, names, uuids []string) error {
+// writeSpec writes (atomically) the spec of a claim prepared with these devices, of which it
+// holds held (the others it shares through admin access).
+func writeSpec(dir, node, claimUID string, names, uuids, held []string) error {
 	spec := cdiSpec{
 		Version:     cdiVersion,
 		Kind:        cdiKind,
-		Annotations: map[string]string{annotationDevices: strings.Join(names, ",")},
+		Annotations: map[string]string{annotationDevices: strings.Join(held, ",")},
 		Devices: []cdiDevice{{
 			Name: claimUID,
 			ContainerEdits: cdiEdits{Env: []string{
@@ -109,7 +111,11 @@ func preparedClaims(dir string) (map[string][]string, error) {
 			log.Printf("skipping CDI spec %s: %v", path, err)
 			continue
 		}
-		prepared[spec.Devices[0].Name] = strings.Split(spec.Annotations[annotationDevices], ",")
+		if held := spec.Annotations[annotationDevices]; held != "" {
+			prepared[spec.Devices[0].Name] = strings.Split(held, ",")
+		} else { // an admin-access claim: it holds nothing
+			prepared[spec.Devices[0].Name] = nil
+		}
 	}
 	return prepared, nil
 }

@@ -54,7 +54,7 @@ func (d *driver) prepare(claim *resourceapi.ResourceClaim) ([]kubeletplugin.Devi
 	}
 	uid := string(claim.UID)
 	owner := d.owners()
-	var names, uuids []string
+	var names, uuids, held []string
 	var devices []kubeletplugin.Device
 	for _, result := range claim.Status.Allocation.Devices.Results {
 		if result.Driver != driverName {
@@ -67,8 +67,13 @@ func (d *driver) prepare(claim *resourceapi.ResourceClaim) ([]kubeletplugin.Devi
 		if !ok {
 			return nil, fmt.Errorf("claim %s/%s: device %s is not published by this node", claim.Namespace, claim.Name, result.Device)
 		}
-		if other, taken := owner[result.Device]; taken && other != uid {
-			return nil, fmt.Errorf("claim %s/%s: device %s is already prepared for claim %s", claim.Namespace, claim.Name, result.Device, other)
+		// An admin-access result (a monitoring agent's) shares the device: it neither waits for
+		// nor keeps out the claim the device is allocated to.
+		if admin := result.AdminAccess != nil && *result.AdminAccess; !admin {
+			if other, taken := owner[result.Device]; taken && other != uid {
+				return nil, fmt.Errorf("claim %s/%s: device %s is already prepared for claim %s", claim.Namespace, claim.Name, result.Device, other)
+			}
+			held = append(held, result.Device)
 		}
 		names = append(names, result.Device)
 		uuids = append(uuids, uuid)
@@ -81,12 +86,12 @@ func (d *driver) prepare(claim *resourceapi.ResourceClaim) ([]kubeletplugin.Devi
 	if len(devices) == 0 {
 		return nil, nil
 	}
-	if err := writeSpec(d.cdiDir, d.node, uid, names, uuids); err != nil {
+	if err := writeSpec(d.cdiDir, d.node, uid, names, uuids, held); err != nil {
 		return nil, err
 	}
 	// One CDI device per claim carries the env for all its devices: attach it once.
 	devices[0].CDIDeviceIDs = []string{cdiDeviceID(uid)}
-	d.inUse[uid] = names
+	d.inUse[uid] = held
 	return devices, nil
 }
 

@@ -107,3 +107,25 @@ func TestACorruptOrOversizedSpecIsSkippedNotFatal(t *testing.T) {
 		t.Fatalf("read back %v %v, want only the good spec", prepared, err)
 	}
 }
+
+func TestAnAdminAccessClaimSharesDevicesInUse(t *testing.T) {
+	d := newDriver(t)
+	if _, err := d.prepare(claim("u1", "n0", "gpu-1")); err != nil {
+		t.Fatal(err)
+	}
+	admin := claim("monitor", "n0", "gpu-1", "gpu-2")
+	yes := true
+	for i := range admin.Status.Allocation.Devices.Results {
+		admin.Status.Allocation.Devices.Results[i].AdminAccess = &yes
+	}
+	if _, err := d.prepare(admin); err != nil {
+		t.Fatalf("admin access to a device in use: %v", err)
+	}
+	if _, err := d.prepare(claim("u2", "n0", "gpu-2")); err != nil {
+		t.Fatalf("a device an admin claim sees is still free: %v", err)
+	}
+	prepared, err := preparedClaims(d.cdiDir)
+	if err != nil || len(prepared["monitor"]) != 0 || strings.Join(prepared["u2"], ",") != "gpu-2" {
+		t.Fatalf("read back %v %v", prepared, err)
+	}
+}
