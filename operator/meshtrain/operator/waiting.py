@@ -69,6 +69,9 @@ class Queue:
         """Capacity changes seen so far (:meth:`capacity_changed`)."""
         self._planned: dict[str, tuple[int, int]] = {}
         """UID -> (:attr:`seq`, generation) when its last plan started."""
+        self._verdicts: dict[str, tuple[tuple[int, int, str | None], bool]] = {}
+        """UID -> ((:attr:`seq`, generation, holder UID), whether :meth:`unchanged`): the free
+        slots are counted once per change, not at every resync."""
 
     def capacity_changed(self) -> None:
         """Nodes changed or GPUs were freed (the informer's wake-up)."""
@@ -90,7 +93,12 @@ class Queue:
             return False  # Kueue's admissions and reassignments wake its jobs: they plan
         if self._planned.get(ref.uid) != (self.seq, generation):
             return False
-        return not self.wake([(ref.namespace, ref.name)])
+        reserved = self.holder()  # the verdict changes with capacity or the holder: asked once
+        mark = (self.seq, generation, None if reserved is None else reserved.uid)
+        known = self._verdicts.get(ref.uid)
+        if known is None or known[0] != mark:
+            known = self._verdicts[ref.uid] = (mark, not self.wake([(ref.namespace, ref.name)]))
+        return known[1]
 
     def enter(
         self,
@@ -127,6 +135,7 @@ class Queue:
         left = self.entries.pop(ref.uid, None)
         self.kueue.discard(ref.uid)
         self._planned.pop(ref.uid, None)
+        self._verdicts.pop(ref.uid, None)
         if self._uids.get((ref.namespace, ref.name)) == ref.uid:
             del self._uids[(ref.namespace, ref.name)]
         if left is not None:
