@@ -5,9 +5,9 @@ node slot (completion index i = meshtrain's pod i, ranks ``[i*gpusPerNode, (i+1)
 and :func:`queue_objects` the Topology, ResourceFlavor, ClusterQueue and LocalQueue it queues in.
 The TAS annotations (:func:`annotations`) ask Kueue for what meshtrain's placement is after:
 tensor groups never leave a pod, so each pipeline stage's pods are a PodSet slice required inside
-one NVLink domain (where domains span nodes) or one rack, where one such domain holds a stage;
-the job as a whole prefers that level (Kueue climbs from there), or the lowest where no domain
-holds a stage.  A one-stage job is a single slice: the whole PodSet is required there instead;
+one domain of the lowest level (NVLink domain where domains span nodes, rack, block, ...) whose
+smallest domain holds a stage; the job as a whole prefers that level (Kueue climbs from there),
+or the lowest where no domain holds a stage.  A one-stage job is a single slice: the whole PodSet is required there instead;
 a stage of one pod needs no slice.
 """
 
@@ -39,14 +39,14 @@ class Fabric:
     domain_gpus: Mapping[str, int]
     """GPUs in the smallest domain of each level (the label's key): what a slice may count on."""
     stage_levels: tuple[str, ...]
-    """Levels a stage may be required in, top first: the leaf (rack), then the NVLink domain
+    """Levels a stage may be required in, top first: every fabric level, then the NVLink domain
     where domains span nodes."""
 
 
 def fabric_for(job: api_spec.TrainingJobSpec, domain_gpus: Mapping[str, int]) -> Fabric:
     """The Topology a job's ``spec.topology`` describes: its fabric levels, NVLink domain, host."""
     labels = [level.label for level in job.topology.levels]
-    stage_levels = labels[-1:]
+    stage_levels = list(labels)
     if job.topology.nvlink_domain_label:
         labels.append(job.topology.nvlink_domain_label)
         stage_levels.append(job.topology.nvlink_domain_label)

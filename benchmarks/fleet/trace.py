@@ -6,10 +6,11 @@ Source: Kokolis et al., "Revisiting Reliability in Large-Scale Machine Learning 
 RSC-2 (8k GPUs), 11 months, over 4 million jobs and 150 million GPU-hours, kept above 80%
 utilisation. The figures this generator takes from it:
 
-- the size mix: most jobs are small (one node) while most GPU-time goes to the few large ones;
-  :data:`SIZE_WEIGHTS` is a geometric mix, each power of two from 8 to 4,096 GPUs half as
-  likely as the one below (so 8-GPU jobs are ~50% of jobs, yet jobs of 256 GPUs and more hold
-  more than half the GPU-time, with :data:`DURATION_GROWTH`);
+- the shape of the size mix only: most jobs are small (one node) while most GPU-time goes to the
+  few large ones.  :data:`SIZE_WEIGHTS` itself is our choice, not the paper's: a geometric mix,
+  each power of two from 8 to 4,096 GPUs half as likely as the one below (so 8-GPU jobs are ~50%
+  of jobs, yet jobs of 256 GPUs and more hold more than half the GPU-time, with
+  :data:`DURATION_GROWTH`);
 - its failure model: a job's nodes fail in series, MTTF = 1 / (nodes x r_f); the rate
   :data:`FAILURES_PER_NODE_DAY` is the one Meta's Llama 3 paper (Dubey et al. 2024, its Table 5)
   reports for a 16,384-GPU run: 419 unplanned interruptions in 54 days, i.e. 4.7e-4 per GPU-day,

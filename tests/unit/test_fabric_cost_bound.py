@@ -1,7 +1,8 @@
 """fabric_cost.bound: the placement's cost model on an assignment the cluster actually made.
 
 Small assignments are checked against bytes counted by hand from the rank layout; the planner's
-own answers against :func:`fabric_cost.bound` of their own nodes (the two must agree).
+own answers against :func:`fabric_cost.bound` of their own nodes (the two must agree) and against
+bytes counted rank by rank from the node labels, apart from the cost model.
 """
 
 from __future__ import annotations
@@ -109,6 +110,34 @@ def test_the_plan_s_own_assignment_costs_what_the_plan_says(
         planned = planner(job, nodes, taken)
         assert isinstance(planned, placement.Placement), planned
         assert fabric_cost.bound(job, nodes, planned.nodes) == planned
+        assert planned.level_bytes == _counted(job, nodes, planned.nodes)
+
+
+def _counted(
+    job: placement.PlacementRequest, nodes: list[placement.Node], assignment: tuple[str, ...]
+) -> dict[str, float]:
+    """Bytes per step counted rank by rank, apart from the cost model: each pipeline rank to its
+    next-stage peer, each gradient-ring hop, charged to the highest label where the two ranks'
+    nodes differ (another node of one leaf: the host level)."""
+    labels = {node.name: node.labels for node in nodes}
+    counted = dict.fromkeys((BLOCK, SPINE, LEAF, HOST, values.NVLINK), 0.0)
+    grid = job.layout
+
+    def talk(rank_a: int, rank_b: int, size: float) -> None:
+        a, b = (assignment[grid.pod_of(rank, 8)] for rank in (rank_a, rank_b))
+        if a != b:
+            level = next(
+                (key for key in (BLOCK, SPINE, LEAF) if labels[a][key] != labels[b][key]), HOST
+            )
+            counted[level] += size
+
+    for stages in grid.all_groups("pp"):
+        for rank, following in zip(stages, stages[1:]):
+            talk(rank, following, job.pp_bytes_per_step)
+    for ring in grid.all_groups("dp_cp"):
+        for index, rank in enumerate(ring if len(ring) > 1 else ()):
+            talk(rank, ring[(index + 1) % len(ring)], job.dp_bytes_per_step)
+    return counted
 
 
 def test_a_wrong_assignment_is_refused() -> None:

@@ -48,8 +48,17 @@ def spec(data: int, pipeline: int, tensor: int = 8, per_node: int = 8, clique: b
         ),
         # one stage: the whole PodSet is the slice, required in a rack
         (spec(4, 1), {kueue_tas.REQUIRED: RACK}),
-        # a 64-GPU stage fits no rack: the job only prefers racks
-        (spec(8, 2), {kueue_tas.PREFERRED: RACK}),
+        # a 64-GPU stage fits no rack but a block: each stage a required slice of one block
+        (
+            spec(8, 2),
+            {
+                kueue_tas.PREFERRED: BLOCK,
+                kueue_tas.SLICE_REQUIRED: BLOCK,
+                kueue_tas.SLICE_SIZE: "8",
+            },
+        ),
+        # a 512-GPU stage fits no block: the job only prefers the lowest level
+        (spec(64, 2), {kueue_tas.PREFERRED: RACK}),
         # a stage of one pod is never split: no slice, the job prefers the stage's domain
         (spec(1, 4, clique=True), {kueue_tas.PREFERRED: CLIQUE}),
         # stages of 4 GPUs share 8-GPU pods: no slice can be a stage

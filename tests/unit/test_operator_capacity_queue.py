@@ -227,3 +227,125 @@ def test_jobs_kueue_admitted_neither_hold_the_reservation_nor_are_held_back(
     assert queue.held_back(*small) is None
     queue.leave(queued[0])
     assert queued[0].uid not in queue.kueue
+
+
+def _pool_node(name: str, pool: str) -> dict[str, Any]:
+    node = _node(name)
+    node["metadata"].update(labels={"pool": pool}, resourceVersion="2")
+    return node
+
+
+def _pool_job(
+    name: str, pods: int, pool: str
+) -> tuple[identity.JobRef, api_spec.TrainingJobSpec, feasibility.Demand]:
+    ref, spec, _ = _job(name, pods)
+    demand = feasibility.Demand(requests={GPU: 8}, tolerations=(), node_selector={"pool": pool})
+    return ref, spec, demand
+
+
+def test_the_reservation_holds_back_only_jobs_that_could_use_the_holders_nodes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A holder on pool a (3 free of 4 nodes) waits; a job of pool b takes nothing it could use."""
+    cache, queue, clock = _three_free_nodes(monkeypatch)  # n0..n3, n0 busy
+    for i in range(4):
+        cache.nodes.upsert(_pool_node(f"n{i}", "a"))
+        cache.nodes.upsert(_pool_node(f"b{i}", "b"))
+    large, other_pool, same_pool = (
+        _pool_job("large", 4, "a"),
+        _pool_job("b", 1, "b"),
+        _pool_job("a", 1, "a"),
+    )
+    queue.enter(*large)
+    clock[0] = capacity_queue.RESERVE_AFTER_SECONDS + 1
+    queue.enter(*other_pool)
+    queue.enter(*same_pool)
+    assert queue.holder() == queue.entries["uid-large"]
+    assert queue.held_back(*other_pool) is None  # pool b: none of the holder's slots
+    assert queue.held_back(*same_pool) == queue.entries["uid-large"]
+    assert queue.wake([("ns", "b"), ("ns", "a")]) == [("ns", "b")]
+
+
+def test_a_job_that_could_not_fit_an_empty_fleet_never_holds_the_reservation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, queue, clock = _three_free_nodes(monkeypatch)  # four nodes in all
+    never, small = _job("never", 5), _job("small", 1)
+    queue.enter(*never)
+    clock[0] = capacity_queue.RESERVE_AFTER_SECONDS + 1
+    assert queue.holder() is None
+    assert queue.held_back(*small) is None
+
+
+def test_a_holder_whose_count_was_free_yet_did_not_fit_passes_the_reservation_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its topology, not the slot count, refuses it: after PASS_ON_AFTER such plans it holds no more."""
+    cache, queue, clock = _three_free_nodes(monkeypatch)
+    large, next_oldest = _job("large", 3), _job("next", 4)
+    for at, job in ((0.0, large), (1.0, next_oldest)):  # the larger waits second
+        clock[0] = at
+        queue.enter(*job)
+    clock[0] = capacity_queue.RESERVE_AFTER_SECONDS + 2
+    for _ in range(capacity_queue.PASS_ON_AFTER):
+        assert queue.holder() == queue.entries["uid-large"]
+        queue.enter(*large)  # planned with 3 free slots for its 3 pods: placed nothing
+    assert queue.holder() == queue.entries["uid-next"]
+    assert cache.nodes
+
+
+def test_a_resync_plans_a_waiting_job_only_after_a_capacity_change_or_a_new_generation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, queue, _ = _three_free_nodes(monkeypatch)
+    large = _job("large", 4)
+    ref = large[0]
+    assert queue.unchanged(ref, 1) is False  # never planned: plan
+    queue.planning(ref, 1)
+    queue.enter(*large)  # 3 free < 4: it waits
+    assert queue.unchanged(ref, 1) is True  # a resync: nothing new, no plan
+    assert queue.unchanged(ref, 2) is False  # its spec changed
+    queue.capacity_changed()
+    assert queue.unchanged(ref, 1) is False
+    assert queue.missed(("ns", "large")) is True  # a change since its plan started
+    queue.planning(ref, 1)
+    assert queue.missed(("ns", "large")) is False
+
+
+def test_a_capacity_change_during_a_plan_wakes_the_job_once_it_is_marked_waiting() -> None:
+    async def scenario() -> bool:
+        wakeups = handlers.Wakeups(lambda keys: keys, missed=lambda key: key == ("ns", "raced"))
+        event = wakeups.event(("ns", "raced"))
+        wakeups.set_waiting(("ns", "raced"), True)  # after the pass: the change came during it
+        await asyncio.sleep(handlers.WAKE_COALESCE_SECONDS * 2)
+        return event.is_set()
+
+    assert asyncio.run(scenario()) is True
+
+
+def test_dra_jobs_and_shapes_beyond_the_cap_are_unknown_always_woken_and_pruned_on_leave(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cache, queue, _ = _three_free_nodes(monkeypatch)
+    ref = identity.JobRef("dra", "ns", "uid-dra")
+    spec = api_spec.TrainingJobSpec.model_validate(
+        JobBuilder().layout(data=8, tensor=8, gpus_per_node=8).dra().raw()
+    )
+    demand = feasibility.Demand(requests={}, tolerations=(), node_selector={})
+    assert queue.enter(ref, spec, demand).need.shape is None
+    assert queue.wake([("ns", "dra")]) == [("ns", "dra")]  # 0 allocatable GPUs, woken anyway
+    big = _job("big", 8)
+    assert queue.enter(*big, unknown=True).need.shape is None  # re-places beside its own pods
+    assert queue.wake([("ns", "big")]) == [("ns", "big")]
+    for i in range(waiting.MAX_SHAPES + 1):
+        r, s, _ = _job(f"j{i}", 8)
+        d = feasibility.Demand(requests={GPU: 8}, tolerations=(), node_selector={"i": str(i)})
+        entry = queue.enter(r, s, d)
+        assert (entry.need.shape is None) is (i == waiting.MAX_SHAPES)
+    for i in range(waiting.MAX_SHAPES + 1):
+        queue.leave(identity.JobRef(f"j{i}", "ns", f"uid-j{i}"))
+    assert queue.entries.keys() == {"uid-dra", "uid-big"}
+    r, s, _ = _job("again", 8)
+    again = feasibility.Demand(requests={GPU: 8}, tolerations=(), node_selector={"i": "again"})
+    assert queue.enter(r, s, again).need.shape is not None  # the left shapes were pruned
+    assert cache.nodes

@@ -47,11 +47,17 @@ class Wakeups:
     def __init__(
         self,
         admit: Callable[[list[tuple[str, str]]], list[tuple[str, str]]] = lambda keys: keys,
+        changed: Callable[[], None] = lambda: None,
+        missed: Callable[[tuple[str, str]], bool] = lambda key: False,
     ) -> None:
         self._events: dict[tuple[str, str], asyncio.Event] = {}
         self._waiting: set[tuple[str, str]] = set()
         self._admit = admit
         """Of the waiting jobs, those a capacity change could admit (``waiting.Queue.wake``)."""
+        self._changed = changed
+        """Counts a capacity change (``waiting.Queue.capacity_changed``)."""
+        self._missed = missed
+        """Whether capacity changed since a job's last plan started (``waiting.Queue.missed``)."""
         self._flush: asyncio.TimerHandle | None = None
         self.woken = 0
         """Wake-ups of waiting jobs so far (each one a capacity change that could admit the job)."""
@@ -64,8 +70,12 @@ class Wakeups:
             self._events[key].set()
 
     def set_waiting(self, key: tuple[str, str], waiting: bool) -> None:
-        """Mark a job as waiting for capacity (woken when nodes change or GPUs are freed)."""
+        """Mark a job as waiting for capacity (woken when nodes change or GPUs are freed); one
+        whose plan raced a capacity change is asked about at the next wake-up."""
         if waiting:
+            if key not in self._waiting and self._missed(key):
+                self._waiting.add(key)
+                self._schedule()
             self._waiting.add(key)
         else:
             self._waiting.discard(key)
@@ -73,6 +83,10 @@ class Wakeups:
     def poke_waiting(self) -> None:
         """Capacity changed: wake the waiting jobs it could admit, after the changes that follow
         within :data:`WAKE_COALESCE_SECONDS` (one wake-up for them all)."""
+        self._changed()
+        self._schedule()
+
+    def _schedule(self) -> None:
         if self._flush is None and self._waiting:
             loop = asyncio.get_running_loop()
             self._flush = loop.call_later(WAKE_COALESCE_SECONDS, self._wake_admitted)
@@ -111,7 +125,8 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     cache = informer.Cache(follow_devices=True)
     resolved = await reconciler.resolved(client, memo.settings)
     memo.reconciler = reconciler.Reconciler(client=client, cache=cache, settings=resolved)
-    memo.wakeups = Wakeups(memo.reconciler.placer.waiting.wake)
+    queue = memo.reconciler.placer.waiting
+    memo.wakeups = Wakeups(queue.wake, queue.capacity_changed, queue.missed)
     memo.watches = asyncio.create_task(cache.run(client, memo.wakeups, memo.namespaces))
     memo.leading = asyncio.Event()
     tenure = leadership.Tenure(math.inf if memo.election is None else -math.inf)

@@ -439,7 +439,11 @@ class Placer:
                 return await self._recreate_missing(
                     action.attempt, action.missing, body, job, template, where, action.topology
                 )
-            if reserved := self.waiting.held_back(ref, spec, feasibility.demand_of(template)):
+            demand = feasibility.demand_of(template)
+            if self.waiting.unchanged(ref, job.generation):  # a resync: nothing new to plan on
+                return body, job, False
+            self.waiting.planning(ref, job.generation)
+            if reserved := self.waiting.held_back(ref, spec, demand):
                 return await self._held_back(body, job, reserved, template)
             step, placed = await self._place_gang(
                 action.attempt, body, job, template, where, claim, action.topology
@@ -465,11 +469,18 @@ class Placer:
         """Another job holds the reservation and this one could take the slots it waits for: wait
         (no plan; woken when a capacity change could admit it beside the holder)."""
         assert job.spec is not None
-        self.waiting.enter(job.ref, job.spec, feasibility.demand_of(template))
+        self.waiting.enter(
+            job.ref, job.spec, feasibility.demand_of(template), self._beside_own(job)
+        )
         message = capacity_queue.message(reserved)
         unplaced = placement_outcome.unplaced(job, conditions.RESERVED, message, clock.now())
         said = f"{job.ref.namespace}/{job.ref.name} waits: {message}"
         return await self._write_unplaced(body, job, unplaced, said)
+
+    def _beside_own(self, job: job_state.JobState) -> bool:
+        """Whether the job still has pods holding resources: its plan may use what they free,
+        which the free slots do not count (its shape is then unknown: always woken)."""
+        return any(feasibility.holds_resources(p) for p in owned.owned_pods(self.cache, job.ref))
 
     def _node(self, name: str) -> dict[str, Any] | None:
         return self.cache.nodes.get(("", name))
@@ -577,7 +588,7 @@ class Placer:
             time.perf_counter() - started
         )
         if isinstance(outcome, placement_outcome.Unplaced):
-            self.waiting.enter(ref, job.declared or sized.spec, demand)
+            self.waiting.enter(ref, job.declared or sized.spec, demand, self._beside_own(job))
             took = self.fit.worker.last_seconds
             self._next_plan[ref.uid] = time.monotonic() + PLAN_SPACING * took
             if took >= SLOW_PLAN_SECONDS:

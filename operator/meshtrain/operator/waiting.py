@@ -3,11 +3,18 @@
 The placer enters a job whose plan placed nothing and removes it once placed; the wake-ups ask
 which waiting jobs a capacity change could admit, and the placer whether the reservation holds a
 job back (the rules are ``policy.capacity_queue``'s).  Free pod slots are counted on the informer's
-nodes and usage, once per pod shape per question.
+nodes and usage, once per pod shape per question (at most :data:`MAX_SHAPES` shapes: beyond
+them, and for DRA jobs, a job's shape is unknown and it is always woken).
+
+A capacity-change sequence number (:meth:`Queue.capacity_changed`) is recorded when a job's plan
+starts (:meth:`Queue.planning`): a periodic resync plans a waiting job again only if a change came
+since (:meth:`Queue.unchanged`) or the wake-up rule admits it, and a job whose plan raced a
+change is woken once it is marked waiting (:meth:`Queue.missed`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Hashable, Iterable
 
@@ -17,6 +24,8 @@ from meshtrain.operator.policy import capacity_queue, feasibility, identity, res
 
 Key = tuple[str, str]
 """(namespace, name) of a job."""
+MAX_SHAPES = 64
+"""Distinct pod shapes whose free slots are counted; a job of any further shape is unknown (woken)."""
 
 
 def shape_of(demand: feasibility.Demand) -> Hashable:
@@ -29,11 +38,17 @@ def shape_of(demand: feasibility.Demand) -> Hashable:
     )
 
 
-def need_of(spec: api_spec.TrainingJobSpec, demand: feasibility.Demand) -> capacity_queue.Need:
-    """What a job waits for: its smallest allowed gang of pods of ``demand``."""
+def need_of(
+    spec: api_spec.TrainingJobSpec, demand: feasibility.Demand, unknown: bool = False
+) -> capacity_queue.Need:
+    """What a job waits for: its smallest allowed gang of pods of ``demand`` (shape None when
+    ``unknown`` or the job asks its GPUs through DRA: node allocatable does not count them)."""
     pods = min((candidate.pods for _, candidate in resizing.candidates(spec)), default=spec.pods)
     gpus = demand.requests.get(spec.resources.gpu_resource_name, 0)
-    return capacity_queue.Need(shape=shape_of(demand), gpus_per_pod=gpus, pods=pods)
+    unknown = unknown or spec.resources.dra is not None
+    return capacity_queue.Need(
+        shape=None if unknown else shape_of(demand), gpus_per_pod=gpus, pods=pods
+    )
 
 
 class Queue:
@@ -50,34 +65,112 @@ class Queue:
         self.kueue: set[str] = set()
         """UIDs of jobs Kueue admitted: Kueue's queue orders them, so they neither hold the
         reservation nor are held back by it (the wake-up rule applies to them all the same)."""
+        self.seq = 0
+        """Capacity changes seen so far (:meth:`capacity_changed`)."""
+        self._planned: dict[str, tuple[int, int]] = {}
+        """UID -> (:attr:`seq`, generation) when its last plan started."""
+        self._verdicts: dict[str, tuple[tuple[int, int, str | None], bool]] = {}
+        """UID -> ((:attr:`seq`, generation, holder UID), whether :meth:`unchanged`): the free
+        slots are counted once per change, not at every resync."""
+
+    def capacity_changed(self) -> None:
+        """Nodes changed or GPUs were freed (the informer's wake-up)."""
+        self.seq += 1
+
+    def planning(self, ref: identity.JobRef, generation: int) -> None:
+        """A plan of the job starts now: what it sees is the capacity as of :attr:`seq`."""
+        self._planned[ref.uid] = (self.seq, generation)
+
+    def missed(self, key: Key) -> bool:
+        """Whether capacity changed since the waiting job ``key``'s last plan started."""
+        planned = self._planned.get(self._uids.get(key, ""))
+        return planned is not None and planned[0] != self.seq
+
+    def unchanged(self, ref: identity.JobRef, generation: int) -> bool:
+        """Whether a plan of this waiting job would see what its last one saw and the wake-up rule
+        does not admit it: no capacity change since, the same generation (a resync: no plan)."""
+        if ref.uid not in self.entries or ref.uid in self.kueue:
+            return False  # Kueue's admissions and reassignments wake its jobs: they plan
+        if self._planned.get(ref.uid) != (self.seq, generation):
+            return False
+        reserved = self.holder()  # the verdict changes with capacity or the holder: asked once
+        mark = (self.seq, generation, None if reserved is None else reserved.uid)
+        known = self._verdicts.get(ref.uid)
+        if known is None or known[0] != mark:
+            known = self._verdicts[ref.uid] = (mark, not self.wake([(ref.namespace, ref.name)]))
+        return known[1]
 
     def enter(
-        self, ref: identity.JobRef, spec: api_spec.TrainingJobSpec, demand: feasibility.Demand
+        self,
+        ref: identity.JobRef,
+        spec: api_spec.TrainingJobSpec,
+        demand: feasibility.Demand,
+        unknown: bool = False,
     ) -> capacity_queue.Waiting:
-        """The job waits (since the first time: a job entered again keeps its place)."""
-        need = need_of(spec, demand)
-        self._demands.setdefault(need.shape, demand)
+        """The job waits (since the first time: a job entered again keeps its place).
+
+        ``unknown``: slot counts do not bound its plan (it re-places beside its own pods).
+        """
+        unknown = unknown or bool(self.cache.inventory().devices)  # slices may serve it
+        need = need_of(spec, demand, unknown)
+        if need.shape is not None and need.shape not in self._demands:
+            if len(self._demands) >= MAX_SHAPES:
+                need = dataclasses.replace(need, shape=None)
+            else:
+                self._demands[need.shape] = demand
         found = self.entries.get(ref.uid)
-        if found is None or found.need != need:
-            since = found.since if found is not None else time.monotonic()
-            found = self.entries[ref.uid] = capacity_queue.Waiting(ref.uid, need, since)
+        misses = 0 if found is None else found.misses
+        if found is not None and self.holder() == found and self._short(found) is False:
+            misses += 1  # it held, its count was free, and its plan placed nothing
+        since = found.since if found is not None else time.monotonic()
+        fits = need.shape is None or self._fits_drained(need.shape, need.pods)
+        entry = self.entries[ref.uid] = capacity_queue.Waiting(ref.uid, need, since, fits, misses)
         self._uids[(ref.namespace, ref.name)] = ref.uid
-        return found
+        if found is not None:
+            self._prune(found.need.shape)
+        return entry
 
     def leave(self, ref: identity.JobRef) -> None:
         """The job waits no more (placed, deleted, finished or suspended)."""
-        self.entries.pop(ref.uid, None)
+        left = self.entries.pop(ref.uid, None)
         self.kueue.discard(ref.uid)
+        self._planned.pop(ref.uid, None)
+        self._verdicts.pop(ref.uid, None)
         if self._uids.get((ref.namespace, ref.name)) == ref.uid:
             del self._uids[(ref.namespace, ref.name)]
+        if left is not None:
+            self._prune(left.need.shape)
 
-    def free_slots(self, shape: Hashable) -> int:
-        """Pods of ``shape`` the nodes could take now, each node counted on its own."""
+    def _prune(self, shape: Hashable | None) -> None:
+        """Forget ``shape``'s demand once no waiting job has it."""
+        if all(w.need.shape != shape for w in self.entries.values()):
+            self._demands.pop(shape, None)
+
+    def _short(self, entry: capacity_queue.Waiting) -> bool | None:
+        """Whether the free slots are fewer than the entry's pods (None: unknown shape)."""
+        if entry.need.shape is None:
+            return None
+        return self.free_slots(entry.need.shape) < entry.need.pods
+
+    def _fits_drained(self, shape: Hashable, pods: int) -> bool:
+        """Whether ``pods`` of ``shape`` fit the nodes with nothing running on them."""
+        demand, total = self._demands[shape], 0
+        for node in self.cache.nodes.values():
+            total += feasibility.slots(demand, node, feasibility.Usage(), pods)
+            if total >= pods:
+                return True
+        return False
+
+    def free_slots(self, shape: Hashable, beside: feasibility.Demand | None = None) -> int:
+        """Pods of ``shape`` the nodes could take now, each node counted on its own (only on
+        nodes where a pod of ``beside`` also fits, when given)."""
         demand = self._demands[shape]
         total = 0
         for node in self.cache.nodes.values():
             name = (node.get("metadata") or {}).get("name") or ""
             used = self.cache.node_usage(name) or feasibility.Usage()
+            if beside is not None and feasibility.slots(beside, node, used, 1) == 0:
+                continue
             total += feasibility.slots(demand, node, used, 1 << 30)
         return total
 
@@ -93,9 +186,12 @@ class Queue:
         reserved = self.holder()
         if reserved is None or reserved.uid == ref.uid or ref.uid in self.kueue:
             return None
+        assert reserved.need.shape is not None  # an unknown shape never holds
         free = self.free_slots(reserved.need.shape)
+        reachable = self.free_slots(reserved.need.shape, beside=demand)
         need = need_of(spec, demand)
-        return reserved if capacity_queue.held_back(ref.uid, need, reserved, free) else None
+        held = capacity_queue.held_back(ref.uid, need, reserved, free, reachable)
+        return reserved if held else None
 
     def wake(self, keys: Iterable[Key]) -> list[Key]:
         """Of the waiting jobs ``keys``, those a capacity change could admit (unknown ones too):
@@ -113,15 +209,20 @@ class Queue:
 
         found = capacity_queue.admissible(needs, free)
         reserved = self.holder()
-        if reserved is None:
+        if reserved is None or reserved.need.shape is None:
             return found
-        kept = []
+        kept: list[Key] = []
+        beside: dict[Hashable, int] = {}
         for key in found:
             need, uid = needs[key], self._uids.get(key, "")
-            if (
-                need is None
-                or uid in self.kueue
-                or not capacity_queue.held_back(uid, need, reserved, free(reserved.need.shape))
-            ):
+            if need is None or need.shape is None or uid in self.kueue:
+                kept.append(key)
+                continue
+            if need.shape not in beside:
+                demand = self._demands[need.shape]
+                beside[need.shape] = self.free_slots(reserved.need.shape, beside=demand)
+            reachable = beside[need.shape]
+            free_now = free(reserved.need.shape)
+            if not capacity_queue.held_back(uid, need, reserved, free_now, reachable):
                 kept.append(key)
         return kept

@@ -5,9 +5,11 @@ resync is long, so that every plan it makes is one a change woke."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 import uuid
+from collections.abc import Iterator
 
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_for
@@ -49,5 +51,53 @@ def test_a_waiting_job_is_planned_only_for_a_change_that_could_admit_it(
             cluster.add_node(pool, gpus=8)  # 32: room for the gang
             cluster.wait_gang(namespace, "big", 4)
             assert _unplaced_plans(operator, namespace) == before  # woken once, and placed
+        finally:
+            operator.stop()
+
+
+def _waits_for_gpus(cluster: Cluster, namespace: str, pool: str, data: int) -> None:
+    """A namespace, one 8-GPU node of ``pool`` and a job "big" of ``data`` x 8 GPUs that waits."""
+    cluster.core.create_namespace({"metadata": {"name": namespace}})
+    cluster.add_node(pool, gpus=8)
+    cluster.apply(JobBuilder("big", namespace, pool).layout(data=data).gpus(8))
+    wait_for(
+        "Placed=False for want of GPUs",
+        lambda: cluster.condition(namespace, "big", "Placed").get("reason") == "InsufficientGPUs",
+    )
+
+
+def _replans(operator: OperatorProcess, namespace: str) -> float:
+    """The operator's count of plans of jobs that already waited, in ``namespace``."""
+    pattern = rf'^meshtrain_operator_replans_total\{{[^}}]*namespace="{namespace}"[^}}]*\}} (\S+)$'
+    return sum(float(v) for v in re.findall(pattern, operator.metrics(), re.M))
+
+
+def test_a_resync_plans_a_waiting_job_only_after_a_capacity_change(
+    control_plane_binaries, tmp_path
+):
+    """With a 1 s resync, a job that cannot fit is not planned again at every resync; the node
+    that makes room places it."""
+    with _operated(control_plane_binaries, tmp_path, resync_seconds=1) as (cluster, operator):
+        namespace, pool = f"sync-{uuid.uuid4().hex[:6]}", f"p{uuid.uuid4().hex[:6]}"
+        _waits_for_gpus(cluster, namespace, pool, data=16)  # 2 x 8 GPUs, one node
+        time.sleep(1.5)  # a pass its own status write woke has come and gone
+        before = _replans(operator, namespace) + _unplaced_plans(operator, namespace)
+        time.sleep(5.0)  # five resyncs, no capacity change
+        assert _replans(operator, namespace) + _unplaced_plans(operator, namespace) == before
+        cluster.add_node(pool, gpus=8)  # room for the gang
+        cluster.wait_gang(namespace, "big", 2)
+
+
+@contextlib.contextmanager
+def _operated(
+    control_plane_binaries, tmp_path, resync_seconds: float
+) -> Iterator[tuple[Cluster, OperatorProcess]]:
+    """A private control plane and an operator process on it, stopped at the end."""
+    with Cluster.private(control_plane_binaries) as cluster:
+        log = str(tmp_path / "operator.log")
+        operator = OperatorProcess(cluster.kubeconfig, log, resync_seconds=resync_seconds)
+        operator.start()
+        try:
+            yield cluster, operator
         finally:
             operator.stop()

@@ -84,6 +84,18 @@ def _binder(cluster: Cluster, namespace: str, pod: str) -> str | None:
     return None
 
 
+def _refused_by(cluster: Cluster, namespace: str, job: str) -> bool:
+    """Whether the second scheduler reported a FailedScheduling of a pod of ``job``."""
+    events = cluster.core.list_namespaced_event(
+        namespace, field_selector="involvedObject.kind=Pod,reason=FailedScheduling"
+    ).items
+    return any(
+        e.involved_object.name.startswith(f"{job}-")
+        and (e.reporting_component or (e.source and e.source.component)) == SCHEDULER
+        for e in events
+    )
+
+
 def _pod_group(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
     found: dict[str, Any] = cluster.custom.get_namespaced_custom_object(
         "scheduling.x-k8s.io", "v1alpha1", namespace, "podgroups", name
@@ -134,7 +146,8 @@ def test_coscheduling_never_binds_half_a_gang_and_binds_it_whole_once_it_fits(cl
         found["metadata"]["ownerReferences"][0]["uid"]
         == cluster.job(namespace, "pair")["metadata"]["uid"]
     )
-    time.sleep(8)  # the second scheduler has tried the gang: one node is free, one is not
+    # the second scheduler has tried the gang (one node is free, one is not) and bound nothing
+    wait_for("the second scheduler's refusal", lambda: _refused_by(cluster, namespace, "pair"), 60)
     assert _bound(cluster, namespace, "pair") == {"pair-r0-0": None, "pair-r0-1": None}
     cluster.core.delete_namespaced_pod("intruder", namespace, grace_period_seconds=0)
     wait_for("the whole gang bound", lambda: all(_bound(cluster, namespace, "pair").values()), 90)
