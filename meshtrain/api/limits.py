@@ -203,3 +203,19 @@ MAX_CLUSTER_OBJECTS = 200_000
 MAX_GANG_SCHEDULE_TIMEOUT_SECONDS = 3_600
 """``--gang-schedule-timeout-seconds``: how long a coscheduled pod may wait in the second
 scheduler's Permit for its siblings, holding its node's resources in that scheduler's cache."""
+
+# Small files a tenant controls that the trainer reads whole (issue #33): each is read at most this
+# many bytes, and a larger one is refused with its name, its size and the bound.
+MAX_TOKEN_METADATA_BYTES = 16 * 1_048_576
+"""``FILE.bin.json``, the metadata ``meshtrain data prepare`` writes beside a token file (a few
+hundred bytes and the input paths: 100,000 inputs of 100 characters are 10 MiB)."""
+
+MAX_SCAN_RECORD_BYTES = 65_536
+"""A vocabulary scan's record of a token file (``FILE.bin.scan.json`` or the cache's): under 1 KiB."""
+
+MAX_CHECKPOINT_MARKER_BYTES = 64 * 1_048_576
+"""A checkpoint's ``COMPLETE`` marker: a line of about 150 bytes per file it lists (one file per
+rank: 65,536 ranks make about 10 MiB)."""
+
+MAX_LOG_TAIL_BYTES = 1_048_576
+"""Bytes read from the end of a rank's log to quote its last lines when the rank fails."""

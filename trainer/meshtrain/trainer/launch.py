@@ -24,7 +24,7 @@ from typing import IO, Any
 
 import torch
 
-from meshtrain.api import console, exitcodes, job_dir, loading
+from meshtrain.api import console, exitcodes, job_dir, limits, loading
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import checkpoint as api_checkpoint
 from meshtrain.planner import host_model
@@ -141,10 +141,14 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def _tail(path: Path, lines: int = 20) -> str:
+    """The last ``lines`` lines of a rank's log, read from at most its last MAX_LOG_TAIL_BYTES."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        with path.open("rb") as handle:
+            handle.seek(max(0, os.fstat(handle.fileno()).st_size - limits.MAX_LOG_TAIL_BYTES))
+            text = handle.read(limits.MAX_LOG_TAIL_BYTES).decode(errors="replace")
     except OSError:
         return ""
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def _summary(

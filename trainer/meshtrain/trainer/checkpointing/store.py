@@ -30,8 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from meshtrain.api import job_dir
-from meshtrain.trainer import storage
+from meshtrain.api import job_dir, limits
+from meshtrain.trainer import small_files, storage
 
 FORMAT = "meshtrain-checkpoint/1"
 """Value of the marker's ``format`` field; anything else is a foreign checkpoint."""
@@ -69,8 +69,6 @@ ATTEMPT_KEY = "attempt"
 ATTEMPT = re.compile(r"^a-[0-9a-f]{16}$")
 STALE_SECONDS = 6 * 3600
 """Age after which an unpublished attempt in a bucket is an abandoned save that pruning may delete."""
-SMALL_MARKER_BYTES = 16 * 1024 * 1024
-"""Largest marker read while scanning a bucket (a marker lists every object of one checkpoint)."""
 REHASH_ENV = "MESHTRAIN_CHECKPOINT_REHASH"
 """Set to 1: a resume from a bucket re-reads every object to check its sha256 (default: sizes and ETags)."""
 
@@ -265,7 +263,12 @@ def read_marker(directory: Location) -> Marker:
             f"completion marker (damaged or not written by meshtrain); remove it to continue"
         )
     try:
-        raw = json.loads(path.read_text())
+        raw = small_files.read_json(
+            path,
+            limits.MAX_CHECKPOINT_MARKER_BYTES,
+            "checkpoint's COMPLETE marker",
+            CheckpointError,
+        )
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{path}: not a valid completion marker ({err})") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
@@ -663,7 +666,9 @@ def _bucket_published(root: storage.ObjectPath, steps: dict[int, bool]) -> list[
             continue
         prefix = root / step_dir_name(step)
         try:
-            raw = json.loads(storage.read_small(f"{prefix}/{MARKER}", SMALL_MARKER_BYTES))
+            raw = json.loads(
+                storage.read_small(f"{prefix}/{MARKER}", limits.MAX_CHECKPOINT_MARKER_BYTES)
+            )
             attempt = raw.get("extra", {}).get(ATTEMPT_KEY)
         except (OSError, ValueError, AttributeError):
             attempt = None

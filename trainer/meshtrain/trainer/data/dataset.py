@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import sysconfig
 import tempfile
@@ -162,7 +161,7 @@ def document_end(paths: Iterable[token_files.Location]) -> int:
 
 def _bos_per_document(path: token_files.Location) -> bool:
     """Whether ``meshtrain data prepare`` started every document of ``path`` with a begin-of-text id."""
-    meta = json.loads(token_files.metadata_path(path).read_text())
+    meta = token_files.read_metadata(path)
     return bool(meta.get("bos_per_document", False))
 
 

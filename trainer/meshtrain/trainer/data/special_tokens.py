@@ -8,14 +8,14 @@ token happens to have that id.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
 
-from meshtrain.trainer import storage
+from meshtrain.api import limits
+from meshtrain.trainer import small_files, storage
 from meshtrain.trainer.data import token_files
 
 FROM_HF_FIELD = "spec.model.init.fromHF"
@@ -157,9 +157,9 @@ def agreed(records: Iterable[TokenIds]) -> TokenIds:
 def from_token_files(paths: Iterable[token_files.Location]) -> TokenIds:
     """The ids ``meshtrain data prepare`` recorded beside the token files (those without metadata say nothing)."""
     records = []
-    for path in map(token_files.metadata_path, paths):
-        if path.is_file():
-            meta = json.loads(path.read_text())
+    for token_file in paths:
+        if token_files.metadata_path(token_file).is_file():
+            meta = token_files.read_metadata(token_file)
             records.append(
                 TokenIds.from_json(
                     {
@@ -178,7 +178,9 @@ def from_hf_directory(directory: Path) -> TokenIds:
     for name in ("generation_config.json", "config.json"):
         path = directory / name
         if path.is_file():
-            raw = json.loads(path.read_text())
+            raw = small_files.read_json(
+                path, limits.MAX_HF_JSON_BYTES, "Hugging Face JSON file", token_files.TokenFileError
+            )
             if isinstance(raw, dict):
                 found = found.or_else(TokenIds.from_json(raw))
     return found
@@ -201,7 +203,7 @@ def _prepared(path: token_files.Location) -> dict[str, Any] | None:
     meta_path = token_files.metadata_path(path)
     if not meta_path.is_file():
         return None
-    meta = json.loads(meta_path.read_text())
+    meta = token_files.read_metadata(path)
     return meta if isinstance(meta, dict) else None
 
 

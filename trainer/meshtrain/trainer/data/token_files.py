@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from meshtrain.trainer import storage
+from meshtrain.api import limits
+from meshtrain.trainer import small_files, storage
 from meshtrain.trainer.data import ranged_tokens, vocab_scan
 
 DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -103,6 +103,17 @@ def metadata_path(path: Location) -> Location:
     return path.with_name(path.name + METADATA_SUFFIX)
 
 
+def read_metadata(path: Location) -> Any:
+    """The metadata ``data prepare`` wrote beside token file ``path``, parsed; at most
+    :data:`~meshtrain.api.limits.MAX_TOKEN_METADATA_BYTES` (a larger file: :class:`TokenFileError`)."""
+    return small_files.read_json(
+        metadata_path(path),
+        limits.MAX_TOKEN_METADATA_BYTES,
+        "token file's metadata (data prepare's FILE.bin.json)",
+        TokenFileError,
+    )
+
+
 def check_metadata(path: Location, dtype: str, vocab: int, field: str) -> bool:
     """Refuse a file whose ``data prepare`` metadata says another dtype, a larger vocabulary or another size.
 
@@ -112,7 +123,7 @@ def check_metadata(path: Location, dtype: str, vocab: int, field: str) -> bool:
     if not meta_path.is_file():
         return False
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = read_metadata(path)
         if not isinstance(meta, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as err:
@@ -206,7 +217,9 @@ def prepared_largest_id(path: Path, dtype: str) -> int | None:
     them (older) or that does not match vouches for nothing.
     """
     try:
-        meta = json.loads(metadata_path(path).read_text())
+        meta = read_metadata(path)
+    except TokenFileError:
+        raise
     except (OSError, ValueError):
         return None
     if not isinstance(meta, dict) or not isinstance(meta.get("max_id"), int):
@@ -222,7 +235,10 @@ def prepared_largest_id(path: Path, dtype: str) -> int | None:
 
 def _known_largest_id(path: Path, dtype: str) -> int | None:
     prepared = prepared_largest_id(path, dtype)
-    return prepared if prepared is not None else vocab_scan.largest_id(path, dtype)
+    try:
+        return prepared if prepared is not None else vocab_scan.largest_id(path, dtype)
+    except vocab_scan.RecordTooLarge as err:
+        raise TokenFileError(str(err)) from None
 
 
 def largest_ids(

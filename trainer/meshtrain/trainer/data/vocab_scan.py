@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from meshtrain.api import limits
+from meshtrain.trainer import small_files
 from meshtrain.trainer.data import file_modes
 
 FORMAT = "meshtrain-token-scan/1"
@@ -28,6 +30,10 @@ def cache_dir() -> Path:
     """Where meshtrain caches data: $MESHTRAIN_CACHE_DIR, else ~/.cache/meshtrain."""
     env = os.environ.get("MESHTRAIN_CACHE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "meshtrain"
+
+
+class RecordTooLarge(ValueError):
+    """A scan record larger than :data:`~meshtrain.api.limits.MAX_SCAN_RECORD_BYTES`: not one this module wrote."""
 
 
 def beside(path: Path) -> Path:
@@ -111,8 +117,12 @@ def largest_id(path: Path, dtype: str) -> int | None:
     current = fingerprint(path, dtype)
     for candidate in (beside(path), in_cache(path)):
         try:
-            record = json.loads(candidate.read_text())
-        except (OSError, ValueError):
+            record = small_files.read_json(
+                candidate, limits.MAX_SCAN_RECORD_BYTES, "vocabulary scan record", RecordTooLarge
+            )
+        except RecordTooLarge:
+            raise
+        except (OSError, ValueError):  # a damaged record vouches for nothing: the file is scanned
             continue
         if not isinstance(record, dict) or not isinstance(record.get("max_id"), int):
             continue
