@@ -97,3 +97,17 @@ def end(procs: list[subprocess.Popen[bytes]]) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def start_gang(
+    builder: JobBuilder, folder: Path, port: int, **extra: str
+) -> list[subprocess.Popen[bytes]]:
+    """Every pod of ``builder``'s gang started on loopback (rendezvous on ``port``), each logging to
+    ``folder/agent-<index>.log``, with torchrun shimmed from ``folder/bin``."""
+    bin_dir = folder / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    shim(bin_dir)
+    return [
+        start(pod, loopback_env(pod, port, bin_dir, **extra), folder / f"agent-{index}.log")
+        for index, pod in enumerate(pods(builder))
+    ]

@@ -229,9 +229,9 @@ class RecoveryRecord(base.StatusModel):
     """One in-place recovery: the trainer's record (``recoveries.jsonl``), or a container restart the kubelet made."""
 
     generation: int | None = Field(None, description="Rendezvous round training continued in.")
-    tier: Literal["process", "container", "pod", "gang"] = Field(
+    tier: Literal["process", "container", "pod", "torchrun", "gang"] = Field(
         description="What was restarted: a process (a spare took its rank), a container (the kubelet's "
-        "restart rules), a pod (re-placed), the gang."
+        "restart rules), a pod (re-placed), a custom trainer's worker group (torchrun's agent), the gang."
     )
     cause: str = Field(description="Why: exit 1, SIGKILL, OOMKilled, pod deleted, node lost, ...")
     pod: str | None = Field(
@@ -264,6 +264,13 @@ class RecoveryTiers(base.StatusModel):
         0, ge=0, description="Trainer containers the kubelet restarted in place."
     )
     pod: int = Field(0, ge=0, description="Pods re-placed while the others waited.")
+    torchrun: int | None = Field(
+        None,
+        ge=0,
+        description="A custom trainer's worker groups torchrun restarted after a failure (counted by "
+        "pod 0's agent, as its progress report's recovery_counts.torchrun says); absent until the "
+        "first is counted.",
+    )
 
 
 class CountedPod(base.StatusModel):
@@ -308,6 +315,12 @@ class RecoveryStatus(base.StatusModel):
         ge=0,
         description="The trainer store's cumulative process-tier count (its progress report's "
         "recovery_counts) counted in that attempt.",
+    )
+    counted_torchrun: int | None = Field(
+        None,
+        ge=0,
+        description="Pod 0's torchrun restart count (TORCHELASTIC_RESTART_COUNT, its progress "
+        "report's recovery_counts.torchrun) counted in that attempt.",
     )
     counted_pods: list[CountedPod] = Field(
         default_factory=list,

@@ -3,7 +3,10 @@
 It knows nothing of meshtrain: torchrun gives it its rank and world, and it trains a small
 regression with DistributedDataParallel.  Rank 0 checkpoints to $MESHTRAIN_CHECKPOINT_DIR (every
 --checkpoint-every steps, after the last one and on SIGTERM) by renaming a temporary file over the
-previous one, so a restarted gang resumes from the newest step.
+previous one, so a restarted gang resumes from the newest step.  With --progress-port (the spec's
+trainer.progressPort), global rank 0 serves the operator's progress document there: its step, loss
+and how many times torchrun restarted its worker group (``recovery_counts.torchrun``, torchrun's
+own TORCHELASTIC_RESTART_COUNT), which the operator counts in status.recovery.byTier.torchrun.
 
     torchrun --nproc-per-node=2 -m meshtrain.examples.ddp --steps 20
 """
@@ -11,9 +14,13 @@ previous one, so a restarted gang resumes from the newest step.
 from __future__ import annotations
 
 import argparse
+import http.server
+import json
 import os
 import pathlib
 import signal
+import threading
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +40,32 @@ def _arguments() -> argparse.Namespace:
         default=int(os.environ.get("CHECKPOINT_EVERY", "10")),
         help="steps between checkpoints (0: only at the end and on SIGTERM)",
     )
+    parser.add_argument(
+        "--progress-port",
+        type=int,
+        default=0,
+        help="port of rank 0's progress document (trainer.progressPort; 0: none)",
+    )
     return parser.parse_args()
+
+
+def _serve_progress(port: int, progress: dict[str, Any]) -> None:
+    """Serve ``progress`` as JSON at ``GET /progress`` on ``port`` from a daemon thread."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps(progress).encode()
+            self.send_response(200 if self.path == "/progress" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's name
+            return None
+
+    server = http.server.ThreadingHTTPServer(("", port), Handler)
+    threading.Thread(target=server.serve_forever, name="progress", daemon=True).start()
 
 
 def _save(
@@ -63,6 +95,11 @@ def main() -> int:
     if rank == 0:
         layout = {k: os.environ.get(f"MESHTRAIN_{k}", "?") for k in ("DP", "PP", "TP")}
         print(f"ddp example: world {world}, meshtrain layout {layout}", flush=True)
+    # torchrun's count of this agent's worker-group restarts after a failure (0 at the first start)
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    progress: dict[str, Any] = {"step": 0, "recovery_counts": {"torchrun": restarts}}
+    if rank == 0 and args.progress_port:
+        _serve_progress(args.progress_port, progress)
 
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Linear(16, 1).to(device))
@@ -91,8 +128,10 @@ def main() -> int:
         loss.backward()
         optimizer.step()
         done = step + 1
+        progress["step"] = done
         if rank == 0 and (step % 10 == 0 or done == args.steps):
-            print(f"step {step} loss {loss.item():.5f}", flush=True)
+            progress["loss"] = loss.item()  # only here: each .item() waits for the device
+            print(f"step {step} loss {progress['loss']:.5f}", flush=True)
         # Every rank stops after the same step, whichever of them got the signal first.
         stop.fill_(1.0 if stop_asked else 0.0)
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)

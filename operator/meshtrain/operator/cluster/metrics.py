@@ -52,7 +52,7 @@ RESTARTS = prometheus_client.Counter(
     "Gang restarts performed after a pod failure.",
     labelnames=JOB_LABELS,
 )
-RESTART_TIERS = ("gang", "process", "container", "pod")
+RESTART_TIERS = ("gang", "process", "container", "pod", "torchrun")
 """``tier`` of :data:`RESTARTS_BY_TIER`: the operator's gang rebuild, or an in-place restart."""
 RESTARTS_BY_TIER = prometheus_client.Counter(
     "meshtrain_operator_restarts",

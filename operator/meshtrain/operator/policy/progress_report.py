@@ -140,7 +140,7 @@ MAX_RECOVERIES = 4
 """Most recovery records of ``recovery`` (the trainer sends its newest 2)."""
 MAX_CAUSE = 120
 """Longest ``cause`` of a recovery record."""
-RECOVERY_TIERS = ("process", "container", "pod", "gang")
+RECOVERY_TIERS = ("process", "container", "pod", "torchrun", "gang")
 RECOVERY_SOURCES = ("memory", "storage", "none")
 _RECORD_NUMBERS = {
     "failedAt": _not_negative,
@@ -185,8 +185,9 @@ def _recovery_list(value: Any) -> list[dict[str, Any]] | None:
     return None if any(e is None for e in entries) else [e for e in entries if e is not None]
 
 
-COUNTED_TIERS = ("process", "container", "pod")
-"""Tiers of ``recovery_counts``: the in-place recoveries the job's store counted, cumulative."""
+COUNTED_TIERS = ("process", "container", "pod", "torchrun")
+"""Tiers of ``recovery_counts``: the in-place recoveries the job's store counted, cumulative
+(``torchrun``: a custom trainer's, its torchrun agent's ``TORCHELASTIC_RESTART_COUNT`` on pod 0)."""
 
 
 def _recovery_counts(value: Any) -> dict[str, int] | None:

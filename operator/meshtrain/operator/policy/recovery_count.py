@@ -27,11 +27,14 @@ from typing import Any
 from meshtrain.api import spec as api_spec
 from meshtrain.operator.policy import conditions, pod_failure, pod_state
 
-TIERS = ("process", "container", "pod")
+TIERS = ("process", "container", "pod", "torchrun")
 """The in-place tiers ``status.recovery.byTier`` counts."""
 REPORTED_TIERS = ("process",)
 """Tiers counted from the trainer's records (``container`` is counted from the pods, ``pod`` by the
-operator as it creates the replacement: ``replacement.status_changes``)."""
+operator as it creates the replacement: ``replacement.status_changes``, ``torchrun`` from the
+report's cumulative count alone: :func:`_torchrun_restarts`)."""
+TORCHRUN = "torchrun"
+"""Tier of a custom trainer's worker group restarted by torchrun's elastic agent (``torchrun_tier``)."""
 RECORD_KEYS = (
     "generation",
     "tier",
@@ -115,7 +118,11 @@ def book(
     fresh = not same or (now is not None and _budget_reset(stored, status, now))
     return {
         "inPlaceRestarts": _int(stored.get("inPlaceRestarts")) or 0,
-        "byTier": {tier: _int(tiers.get(tier)) or 0 for tier in TIERS},
+        "byTier": {
+            tier: _int(tiers.get(tier)) or 0
+            for tier in TIERS
+            if tier != TORCHRUN or _int(tiers.get(tier)) is not None
+        },
         "last": stored.get("last") if isinstance(stored.get("last"), Mapping) else None,
         "attempt": attempt,
         "attemptRestarts": 0 if fresh else (_int(stored.get("attemptRestarts")) or 0),
@@ -123,6 +130,7 @@ def book(
         "countedAt": stored.get("countedAt") if same else None,
         "countedGeneration": _int(stored.get("countedGeneration")) if same else None,
         "countedProcess": _int(stored.get("countedProcess")) if same else None,
+        "countedTorchrun": _int(stored.get("countedTorchrun")) if same else None,
         "countedPods": [p for p in pods if isinstance(p, Mapping)],
     }
 
@@ -277,22 +285,43 @@ def from_report(
     ``progress_report``'s schema) that ``status`` has not counted yet (at ``now``); with the
     store's cumulative ``counts`` (``recovery_counts``), as many process restarts as it grew by
     since ``countedProcess``, so none is missed."""
-    if not isinstance(records, list):
+    counted = counts if isinstance(counts, Mapping) else {}
+    if not isinstance(records, list) and _int(counted.get(TORCHRUN)) is None:
         return Counted(None)
     recovery = book(status, attempt, now)
-    restarts, newest, generation = _reported_restarts(records, recovery["countedGeneration"])
-    total = _int(counts.get("process")) if isinstance(counts, Mapping) else None
+    listed = records if isinstance(records, list) else []
+    restarts, newest, generation = _reported_restarts(listed, recovery["countedGeneration"])
+    total = _int(counted.get("process"))
     if total is not None:
         restarts = _by_count(restarts, total, recovery["countedProcess"], newest)
-    if newest is None and not restarts:
+    torchrun = _int(counted.get(TORCHRUN))
+    by_torchrun = _torchrun_restarts(torchrun, recovery["countedTorchrun"])
+    if newest is None and not restarts and torchrun == recovery["countedTorchrun"]:
         return Counted(None, attempt_restarts=recovery["attemptRestarts"])
     limit = spec.run_policy.recovery.in_place_limit
-    updated, events = _tally(recovery, restarts, limit, now)
+    updated, events = _tally(recovery, [*restarts, *by_torchrun], limit, now)
     updated["countedGeneration"] = generation
     if total is not None:
         updated["countedProcess"] = total
-    updated["last"] = newest or recovery["last"]
+    if torchrun is not None:
+        updated["countedTorchrun"] = torchrun
+    updated["last"] = newest or (by_torchrun[-1].record if by_torchrun else recovery["last"])
     return Counted(updated, events, updated["attemptRestarts"])
+
+
+def _torchrun_restarts(total: int | None, before: int | None) -> list[Restart]:
+    """The worker-group restarts pod 0's torchrun agent counted (``TORCHELASTIC_RESTART_COUNT``,
+    cumulative for the agent's life: the gang attempt) since ``before``; a lower count is a new
+    agent (its pod restarted in place), all of it new."""
+    if total is None:
+        return []
+    new = total - before if before is not None and total >= before else total
+    record = _record(tier=TORCHRUN, cause="a worker failed")
+    told = (
+        "torchrun restarted the custom trainer's worker group in place after a worker failed "
+        f"(pod 0's agent: {total} restart(s) of --max-restarts)"
+    )
+    return [Restart(TORCHRUN, record, told) for _ in range(max(new, 0))]
 
 
 def _by_count(
