@@ -208,7 +208,7 @@ def run_local(
     name = metadata.get("name") or Path(spec_path).stem
     log_dir = Path(log_dir) if log_dir else default_log_dir(name)
     log_dir.mkdir(parents=True, exist_ok=True)
-    (log_dir / steplog.FILENAME).unlink(missing_ok=True)
+    steplog.keep_previous(log_dir)  # the previous attempt's steps, for meshtrain report
     started = time.monotonic()
     try:
         identity = job_identity(job, metadata, name, log_dir)

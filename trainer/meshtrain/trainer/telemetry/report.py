@@ -1,8 +1,9 @@
 """Pictures of a run without Grafana: ``meshtrain report DIR -o report.html`` (or ``.png``).
 
-Reads a run's ``steps.jsonl`` and event traces (:mod:`.trace`) and draws loss, throughput, MFU,
-each stage's step split, collective and per-rank times and the last step's timeline, as one
-self-contained HTML page or one picture (docs/telemetry.md, "A run's report").
+Reads a run's ``steps.jsonl`` (every attempt's: :func:`.steplog.attempts`) and event traces
+(:mod:`.trace`) and draws loss, throughput, MFU, each stage's step split, collective and per-rank
+times and the last step's timeline, as one self-contained HTML page or one picture, with the
+restarts marked (docs/telemetry.md, "A run's report").
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import matplotlib.pyplot as plt  # after matplotlib.use(): the backend must be c
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from meshtrain.trainer.telemetry import goodput, steplog, timeline, trace
+from meshtrain.trainer.telemetry import goodput, run_attempts, steplog, timeline, trace
 
 SPLIT_COLOURS = {
     "compute": "#3b75af",
@@ -52,11 +53,13 @@ class Run:
 
     log_dir: Path
     steps: list[dict[str, Any]]
-    """steps.jsonl, one record per step (the last record wins for a step a resumed run repeated)."""
+    """Every attempt's steps, one record per step (the last record wins for a step a resumed run repeated)."""
     traces: dict[int, list[dict[str, Any]]]
     """rank -> its trace lines, one per step."""
     goodput: goodput.Account | None = None
     """The run's goodput from steps.jsonl and recoveries.jsonl (None: not read)."""
+    attempts: tuple[run_attempts.Attempt, ...] = ()
+    """The run's attempts, oldest first (one: it never restarted)."""
 
 
 def _expected(log_dir: Path) -> str:
@@ -65,6 +68,10 @@ def _expected(log_dir: Path) -> str:
         f"{trace.TRACE_DIR}/rank-N.jsonl, written by `meshtrain run --log-dir DIR` or by the "
         "trainer pods under <checkpoint.path>/<namespace>/<name>/logs"
     )
+
+
+STEP_KEYS = {"step", "loss", "step_seconds", "tokens_per_second"}
+"""What every step record holds."""
 
 
 def _records(path: Path, required: set[str]) -> list[dict[str, Any]]:
@@ -96,16 +103,15 @@ def load(log_dir: Path) -> Run:
         raise ReportError(f"{log_dir} is not a directory")
     steps_file = log_dir / steplog.FILENAME
     trace_files = sorted((log_dir / trace.TRACE_DIR).glob("rank-*.jsonl"))
-    if not steps_file.is_file() and not trace_files:
+    kept = next((log_dir / steplog.ATTEMPTS_DIR).glob(steplog.ATTEMPT_PATTERN), None)
+    if not steps_file.is_file() and not trace_files and kept is None:
         raise ReportError(_expected(log_dir))
-    if not steps_file.is_file():
+    if not steps_file.is_file() and kept is None:
         raise ReportError(
             f"{steps_file} is missing: the traces alone do not say loss or throughput"
         )
-    by_step = {
-        r["step"]: r
-        for r in _records(steps_file, {"step", "loss", "step_seconds", "tokens_per_second"})
-    }
+    attempts = steplog.attempts(log_dir, lambda path: _records(path, STEP_KEYS))
+    by_step = {r["step"]: r for attempt in attempts for r in attempt}
     if not by_step:
         raise ReportError(f"{steps_file} is empty: the run finished no step yet")
     traces = {}
@@ -118,6 +124,7 @@ def load(log_dir: Path) -> Run:
         steps=[by_step[s] for s in sorted(by_step)],
         traces=traces,
         goodput=goodput.account_of(log_dir),
+        attempts=tuple(run_attempts.of(attempts)),
     )
 
 
@@ -128,7 +135,10 @@ def _steady(values: list[T]) -> list[T]:
 
 def draw_loss(ax: Axes, run: Run) -> None:
     ax.plot([r["step"] for r in run.steps], [r["loss"] for r in run.steps], color="#3b75af")
-    ax.set(title="Training loss", xlabel="step", ylabel="loss")
+    for attempt in run.attempts[1:]:  # each restart, at the first step it trained
+        ax.axvline(attempt.first_step - 0.5, color="#b22222", linestyle="--", linewidth=0.8)
+    restarts = f" ({len(run.attempts) - 1} restart(s) dashed)" if len(run.attempts) > 1 else ""
+    ax.set(title=f"Training loss{restarts}", xlabel="step", ylabel="loss")
 
 
 def draw_throughput(ax: Axes, run: Run) -> None:
@@ -283,6 +293,7 @@ def summary(run: Run) -> list[tuple[str, str]]:
             f"{1e3 * statistics.median(r['step_seconds'] for r in steady):.1f} ms",
         ),
         ("ranks with a trace", str(len(run.traces))),
+        *run_attempts.summary_rows(list(run.attempts)),
     ]
     if all("mfu" in r for r in steady):
         rows.insert(
@@ -368,6 +379,18 @@ def _goodput_html(account: goodput.Account | None) -> str:
     return f'<h2>Goodput</h2><table id="goodput">{table}</table>{listed}'
 
 
+def _attempts_html(run: Run) -> str:
+    """The attempts table of a run that restarted (empty for one attempt)."""
+    if len(run.attempts) < 2:
+        return ""
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in run_attempts.COLUMNS)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>"
+        for row in run_attempts.table(list(run.attempts))
+    )
+    return f'<h2>Attempts</h2><table id="attempts"><tr>{head}</tr>{body}</table>'
+
+
 def write_html(run: Run, out: Path) -> Path:
     """The self-contained HTML report."""
     figures = []
@@ -400,7 +423,8 @@ def write_html(run: Run, out: Path) -> Path:
         "<style>body{font-family:sans-serif;max-width:900px;margin:2em auto}"
         "th{text-align:left;padding-right:2em}img{max-width:100%}</style></head><body>"
         f"<h1>meshtrain report</h1><p>{html.escape(str(run.log_dir))}</p>"
-        f"<table>{rows}</table>{_goodput_html(run.goodput)}{note}{images}</body></html>\n"
+        f"<table>{rows}</table>{_attempts_html(run)}{_goodput_html(run.goodput)}{note}{images}"
+        "</body></html>\n"
     )
     out.write_text(page, encoding="utf-8")
     return out
@@ -432,6 +456,8 @@ def main(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     (write_png if out.suffix.lower() == ".png" else write_html)(run, out)
     print(f"{out}: {len(run.steps)} steps, {len(run.traces)} rank trace(s)")
+    for what, value in run_attempts.summary_rows(list(run.attempts)):
+        print(f"{what}: {value}")
     for line in goodput_text(run.goodput):
         print(line)
     return 0
