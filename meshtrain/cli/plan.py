@@ -246,7 +246,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _measured_noise_scale(path: str) -> float | None:
     """status.progress.gradientNoiseScale of a TrainingJob file (``kubectl get tj NAME -o yaml``), if any."""
     try:
-        document = loading.load_yaml(Path(path).read_text(), path)
+        documents = loading.load_documents(path)  # bounded: MAX_DOCUMENT_BYTES
+        document = documents[0] if len(documents) == 1 else None
     except (OSError, ValueError):  # a SpecError is a ValueError
         return None
     progress = ((document or {}).get("status") or {}).get("progress") or {}
