@@ -119,3 +119,23 @@ def test_the_pods_one_appended_step_log_is_split_where_a_step_goes_back(tmp_path
         (3, 7, 5, 3),
         (7, 8, 2, 1),
     ]
+
+
+def test_each_earlier_attempt_of_meshtrain_run_is_kept_in_order(tmp_path: Path) -> None:
+    def attempt(*steps: int) -> None:
+        records = [
+            {"step": s, "loss": 1.0, "step_seconds": 0.1, "tokens_per_second": 1.0} for s in steps
+        ]
+        (tmp_path / steplog.FILENAME).write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    assert steplog.keep_previous(tmp_path) is None  # a first start: nothing to keep
+    attempt(1, 2, 3)
+    assert steplog.keep_previous(tmp_path) == tmp_path / "attempts" / "steps-0001.jsonl"
+    attempt(2, 3, 4)
+    assert steplog.keep_previous(tmp_path) == tmp_path / "attempts" / "steps-0002.jsonl"
+    (tmp_path / steplog.FILENAME).write_text("")  # an attempt that logged no step
+    assert steplog.keep_previous(tmp_path) is None
+    assert not (tmp_path / steplog.FILENAME).exists()
+    attempt(4, 5)
+    found = [[r["step"] for r in records] for records in steplog.attempts(tmp_path)]
+    assert found == [[1, 2, 3], [2, 3, 4], [4, 5]]
