@@ -164,7 +164,7 @@ class Engine:
             seq_len=self.config.seq_len,
             share=scan_share(mesh.device),
         )
-        self.token_ids = special_tokens.for_job(tokens, spec.model.init.from_hf)
+        self.token_ids = _token_ids(tokens, spec.model.init.from_hf)
         """Begin/end-of-text ids of the data's tokenizer; checkpoints carry them to ``meshtrain export``."""
         self.hf_max_positions = (
             config_json.max_positions(spec.model.init.from_hf) if spec.model.init.from_hf else None
@@ -556,3 +556,11 @@ class Engine:
         share = total / (ranks * self.spec.training.eval.batches)
         dist.all_reduce(share)  # only last-stage ranks hold a loss, each tp rank the same one
         return share.item()
+
+
+def _token_ids(files: list[token_files.TokenFile], from_hf: str | None) -> special_tokens.TokenIds:
+    """:func:`.special_tokens.for_job`, an oversized file it reads refused as a bad dataset is."""
+    try:
+        return special_tokens.for_job(files, from_hf)
+    except token_files.TokenFileError as err:
+        raise dataset.DatasetError(str(err)) from None
