@@ -416,6 +416,60 @@ def held_by(pod: Mapping[str, Any]) -> int:
     spec = pod.get("spec") or {}
     if spec.get("nodeName") or not spec.get("resourceClaims"):
         return 0
+    return _devices_used(spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class Awaiting:
+    """A bound pod whose devices count as held until the cache shows its claims allocated."""
+
+    node: str
+    """The node it is bound to."""
+    count: int
+    """Its devices (its trainer's ``PET_NPROC_PER_NODE``)."""
+    claims: tuple[str, ...]
+    """The names of the ResourceClaims its claims resolve to, in its namespace; ``""`` for a
+    claim the resourceclaim controller has not named yet (never allocated in the cache)."""
+
+
+def awaiting(pod: Mapping[str, Any]) -> Awaiting | None:
+    """A bound, unfinished pod with resource claims, as :class:`Awaiting`; None for any other.
+
+    kube-scheduler writes a claim's allocation before it binds the pod, but the operator follows
+    pods and claims on two watches: the pod's binding may arrive first.  Until every claim of the
+    pod shows allocated in the cache, its devices are held (``HELD``) on its node.
+    """
+    spec = pod.get("spec") or {}
+    node = spec.get("nodeName")
+    claims = spec.get("resourceClaims")
+    phase = (pod.get("status") or {}).get("phase")
+    if not node or not isinstance(claims, list) or not claims or phase in ("Succeeded", "Failed"):
+        return None
+    count = _devices_used(spec)
+    if count <= 0:
+        return None
+    statuses = (pod.get("status") or {}).get("resourceClaimStatuses") or []
+    generated = {
+        str(s.get("name")): s.get("resourceClaimName")
+        for s in statuses[: limits.MAX_CLAIM_RESULTS]
+        if isinstance(s, Mapping)
+    }
+    names: list[str] = []
+    for claim in claims[: limits.MAX_CLAIM_RESULTS]:
+        if not isinstance(claim, Mapping):
+            continue
+        if claim.get("resourceClaimName"):
+            names.append(str(claim["resourceClaimName"]))
+        elif str(claim.get("name")) in generated:
+            if generated[str(claim.get("name"))]:  # null: the template made no claim
+                names.append(str(generated[str(claim.get("name"))]))
+        else:
+            names.append("")
+    return Awaiting(node=str(node), count=count, claims=tuple(names))
+
+
+def _devices_used(spec: Mapping[str, Any]) -> int:
+    """The devices a pod of the operator's uses: its trainer's ``PET_NPROC_PER_NODE`` (0: none)."""
     for container in spec.get("containers") or []:
         for env in container.get("env") or []:
             if isinstance(env, Mapping) and env.get("name") == NPROC_ENV:
