@@ -14,6 +14,7 @@ NVLink domain is its ``cliqueId`` attribute (of its driver's domain), its PCIe l
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -325,8 +326,16 @@ def matches(device: Device, selectors: Sequence[str]) -> device_cel.Verdict:
     return verdict
 
 
-def fit(request: Request, found: Inventory, node: str, held: int = 0) -> Fit:
-    """How many pods of ``request`` ``node``'s free devices serve, less ``held`` devices."""
+def fit(
+    request: Request,
+    found: Inventory,
+    node: str,
+    held: int = 0,
+    budget: device_cel.Budget | None = None,
+) -> Fit:
+    """How many pods of ``request`` ``node``'s free devices serve, less ``held`` devices; the
+    evaluations charged to the pass's ``budget`` (None: unbounded), left to kube-scheduler once it
+    is spent."""
     known = found.classes.get(request.device_class)
     if known is None:
         return Fit(slots=0, free=0, missing_class=request.device_class)
@@ -338,7 +347,7 @@ def fit(request: Request, found: Inventory, node: str, held: int = 0) -> Fit:
     cost = sum(len(expression) for expression in selectors)
     if cost > limits.MAX_EVALUATED_SELECTORS_CHARS:
         return _left_to_scheduler(f"selectors of {cost} characters of CEL")
-    budget = limits.MAX_CEL_CHARS_PER_NODE
+    chars = limits.MAX_CEL_CHARS_PER_NODE
     free: list[Device] = []
     for device in found.devices.get(node, ()):
         if device.key in found.allocated or device.tainted:
@@ -348,12 +357,19 @@ def fit(request: Request, found: Inventory, node: str, held: int = 0) -> Fit:
                 f"device {device.name} shares counters or capacity, which are not modelled"
             )
         if not remembered(device, selectors):
-            budget -= cost
-            if budget < 0:
+            chars -= cost
+            if chars < 0:
                 return _left_to_scheduler(
                     f"more than {limits.MAX_CEL_CHARS_PER_NODE} characters of CEL on one node"
                 )
-        verdict = matches(device, selectors)
+            if budget is not None and budget.spent:
+                return _left_to_scheduler(
+                    f"the pass spent its {budget.seconds:g} s of CEL evaluation before this node"
+                )
+        if budget is not None:
+            verdict = budget.timed(functools.partial(matches, device, selectors))
+        else:
+            verdict = matches(device, selectors)
         if isinstance(verdict, device_cel.Unknown):
             return Fit(slots=0, free=0, unknown=verdict.describe())
         if verdict:
@@ -503,6 +519,8 @@ class Ask:
     """Devices (or units of ``gpu_resource``) one pod takes."""
     request: Request | None = None
     """A DRA job's per-pod claim; None: the job requests ``gpu_resource``."""
+    budget: device_cel.Budget = dataclasses.field(default_factory=device_cel.Budget, compare=False)
+    """The CEL time the pass that judges this ask may still spend (one ask per pass)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -553,7 +571,7 @@ def judge(
     pending = used.get(UNBOUND + ask.gpu_resource, 0) if serving is not None and plugin <= 0 else 0
     if ask.request is not None:
         doubled = used.get(ask.gpu_resource, 0) if plugin > 0 and published else pending
-        fitted = fit(ask.request, ask.inventory, node, held + doubled)
+        fitted = fit(ask.request, ask.inventory, node, held + doubled, ask.budget)
         if fitted.deferred:
             return NodeDevices(None)
         reason = fitted.reason or CANNOT_ALLOCATE
@@ -562,7 +580,7 @@ def judge(
         return NodeDevices(None)
     request = Request(device_class=serving.name, selectors=(), count=ask.gpus_per_pod)
     if plugin <= 0:  # kube-scheduler serves the request from the class's devices
-        fitted = fit(request, ask.inventory, node, held + pending)
+        fitted = fit(request, ask.inventory, node, held + pending, ask.budget)
         reason = fitted.reason or CANNOT_ALLOCATE
         return NodeDevices(fitted.slots, reason, nvlink_domain(fitted), True)
     claimed = sum(
