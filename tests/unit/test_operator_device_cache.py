@@ -101,6 +101,22 @@ def test_a_bound_pod_holds_its_devices_until_its_claim_shows_allocated():
     assert _held(cache, "n1") == 0
 
 
+def test_a_plain_pod_a_class_served_holds_its_devices_until_the_schedulers_claim_shows_allocated():
+    spec = loading.parse_spec(JobBuilder("j", "ns").layout(data=4, gpus_per_node=4).raw())
+    pod = builders.build_pod(identity.JobRef("j", "ns", "u1"), spec, 0, 0, "n1")
+    pod["metadata"]["resourceVersion"] = "5"
+    pod["spec"].pop("schedulingGates", None)
+    pod["spec"]["nodeName"] = "n1"
+    claim = {"resourceClaimName": "j-r0-0-extended-resources-x", "requestMappings": []}
+    pod["status"] = {"phase": "Running", "extendedResourceClaimStatus": claim}
+    cache = _cache()
+    cache.pods.upsert(pod)
+    assert _held(cache, "n1") == 4
+    allocated = _claim("j-r0-0-extended-resources-x", "n1", "gpu-0", "gpu-1", "gpu-2", "gpu-3")
+    cache.dra["resourceclaims"].upsert(allocated)
+    assert _held(cache, "n1") == 0
+
+
 def test_the_allocated_set_kept_per_claim_event_equals_a_rebuild():
     rng = random.Random(11)
     cache = _cache()

@@ -346,7 +346,8 @@ def _unsettled(cluster: Cluster, jobs: list[JobBuilder]) -> list[str]:
 def _outcome(cluster: Cluster, job: JobBuilder) -> str:
     body = job.manifest()["metadata"]
     placed = cluster.condition(body["namespace"], body["name"], "Placed")
-    return f"{cluster.status(body['namespace'], body['name']).get('phase')} {placed.get('reason')}"
+    phase = cluster.status(body["namespace"], body["name"]).get("phase")
+    return f"{phase} {placed.get('reason')}: {placed.get('message', '')[:300]}"
 
 
 def _quiet(cluster: Cluster, namespace: str) -> None:
@@ -422,7 +423,7 @@ def _differential(cluster: Cluster, rng: random.Random, kinds: dict[str, str]) -
         for node, kind in kinds.items()
     }
     free = {node: _operator_free(cluster, node, asked[node], view) for node in kinds}
-    print(f"operator's free GPUs: { {n: (asked[n], f) for n, f in free.items()} }")
+    print(f"operator's free GPUs: { {n: (kinds[n], asked[n], f) for n, f in free.items()} }")
     wrong = []
     for more, expected in ((1, False), (0, True)):
         probes = {

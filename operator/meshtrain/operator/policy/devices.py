@@ -449,22 +449,30 @@ class Awaiting:
 
 
 def awaiting(pod: Mapping[str, Any]) -> Awaiting | None:
-    """A bound, unfinished pod with resource claims, as :class:`Awaiting`; None for any other.
+    """A bound, unfinished pod with resource claims (or whose plain GPU request a KEP-5004 class
+    served: ``status.extendedResourceClaimStatus`` names the claim kube-scheduler made for it), as
+    :class:`Awaiting`; None for any other.
 
     kube-scheduler writes a claim's allocation before it binds the pod, but the operator follows
     pods and claims on two watches: the pod's binding may arrive first.  Until every claim of the
     pod shows allocated in the cache, its devices are held (``HELD``) on its node.
     """
-    spec = pod.get("spec") or {}
+    spec, status = pod.get("spec") or {}, pod.get("status") or {}
     node = spec.get("nodeName")
     claims = spec.get("resourceClaims")
-    phase = (pod.get("status") or {}).get("phase")
-    if not node or not isinstance(claims, list) or not claims or phase in ("Succeeded", "Failed"):
+    extended = (status.get("extendedResourceClaimStatus") or {}).get("resourceClaimName")
+    if not node or status.get("phase") in ("Succeeded", "Failed"):
         return None
     count = _devices_used(spec)
     if count <= 0:
         return None
-    statuses = (pod.get("status") or {}).get("resourceClaimStatuses") or []
+    if (
+        extended and not claims
+    ):  # a plain GPU request a KEP-5004 class served: the scheduler's claim
+        return Awaiting(node=str(node), count=count, claims=(str(extended),))
+    if not isinstance(claims, list) or not claims:
+        return None
+    statuses = status.get("resourceClaimStatuses") or []
     generated = {
         str(s.get("name")): s.get("resourceClaimName")
         for s in statuses[: limits.MAX_CLAIM_RESULTS]
