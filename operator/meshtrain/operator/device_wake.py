@@ -9,8 +9,10 @@ stays asleep: its last plan saw every other node as it still is.
 
 from __future__ import annotations
 
+import dataclasses
+
 from meshtrain.operator import waiting
-from meshtrain.operator.policy import devices, feasibility
+from meshtrain.operator.policy import device_cel, devices, feasibility
 
 MAX_NODES = 256
 """Changed nodes judged one by one per wake-up; more, and every waiting job is asked as for any
@@ -24,18 +26,23 @@ def admitted(
     if len(nodes) > MAX_NODES:
         return queue.wake(keys)
     inventory = queue.cache.inventory()
-    kept = [key for key in keys if _could_use(queue, key, nodes, inventory)]
+    budget = device_cel.Budget()  # one pass's CEL time for all the jobs: past it, all are woken
+    kept = [key for key in keys if _could_use(queue, key, nodes, inventory, budget)]
     return queue.wake(kept) if kept else []
 
 
 def _could_use(
-    queue: waiting.Queue, key: waiting.Key, nodes: frozenset[str], found: devices.Inventory
+    queue: waiting.Queue,
+    key: waiting.Key,
+    nodes: frozenset[str],
+    found: devices.Inventory,
+    budget: device_cel.Budget,
 ) -> bool:
     """Whether a pod of the waiting job ``key`` may now take devices on one of ``nodes``."""
     spec = queue.specs.get(queue.uid_of(key) or "")
     if spec is None:
         return True  # not known here: asked as before
-    ask = devices.ask_of(spec, found)
+    ask = dataclasses.replace(devices.ask_of(spec, found), budget=budget)
     for node in sorted(nodes):
         obj = queue.cache.nodes.get(("", node))
         if obj is None:
