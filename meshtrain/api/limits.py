@@ -193,6 +193,10 @@ MAX_CEL_CHARS_PER_NODE = 32_768
 """Selector characters the operator evaluates for one node's devices in one verdict (verdicts
 remembered for devices alike are free); past it the node's verdict is left to kube-scheduler."""
 
+MAX_CEL_SECONDS_PER_PASS = 0.5
+"""Seconds of CEL evaluation one placement pass spends on tenant selectors (all nodes together);
+past it the nodes not judged yet are left to kube-scheduler (the pass runs on the event loop)."""
+
 MAX_CLUSTER_FILE_BYTES = 256 * 1_048_576
 """Largest ``meshtrain plan --cluster`` file read (``kubectl get nodes,resourceslices -o yaml`` of
 a large cluster)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import random
@@ -19,7 +20,7 @@ from typing import Any
 import kopf
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import reconciler
+from meshtrain.operator import device_wake, reconciler
 from meshtrain.operator.cluster import api_errors, children, informer, kube, leadership
 from meshtrain.operator.policy import kueue_workload, naming
 
@@ -49,6 +50,9 @@ class Wakeups:
         admit: Callable[[list[tuple[str, str]]], list[tuple[str, str]]] = lambda keys: keys,
         changed: Callable[[], None] = lambda: None,
         missed: Callable[[tuple[str, str]], bool] = lambda key: False,
+        admit_devices: Callable[
+            [list[tuple[str, str]], frozenset[str]], list[tuple[str, str]]
+        ] = lambda keys, nodes: keys,
     ) -> None:
         self._events: dict[tuple[str, str], asyncio.Event] = {}
         self._waiting: set[tuple[str, str]] = set()
@@ -58,6 +62,15 @@ class Wakeups:
         """Counts a capacity change (``waiting.Queue.capacity_changed``)."""
         self._missed = missed
         """Whether capacity changed since a job's last plan started (``waiting.Queue.missed``)."""
+        self._admit_devices = admit_devices
+        """Of the waiting jobs, those a device change on these nodes could admit
+        (``device_wake.admitted``)."""
+        self._device_nodes: set[str] = set()
+        """Nodes whose devices changed since the last wake-up."""
+        self._broad = False
+        """Whether a change other than on :attr:`_device_nodes` came since the last wake-up."""
+        self._recheck: set[tuple[str, str]] = set()
+        """Jobs whose plan raced a change of any kind: asked with the broad rule."""
         self._flush: asyncio.TimerHandle | None = None
         self.woken = 0
         """Wake-ups of waiting jobs so far (each one a capacity change that could admit the job)."""
@@ -75,6 +88,7 @@ class Wakeups:
         if waiting:
             if key not in self._waiting and self._missed(key):
                 self._waiting.add(key)
+                self._recheck.add(key)
                 self._schedule()
             self._waiting.add(key)
         else:
@@ -83,6 +97,19 @@ class Wakeups:
     def poke_waiting(self) -> None:
         """Capacity changed: wake the waiting jobs it could admit, after the changes that follow
         within :data:`WAKE_COALESCE_SECONDS` (one wake-up for them all)."""
+        self._broad = True
+        self._changed()
+        self._schedule()
+
+    def poke_devices(self, nodes: frozenset[str] | None) -> None:
+        """Devices changed on ``nodes`` (None: anywhere; empty: none freed or added): wake the
+        waiting jobs that could use those nodes' devices, as :meth:`poke_waiting` does."""
+        if nodes is not None and not nodes:
+            return
+        if nodes is None:
+            self._broad = True
+        else:
+            self._device_nodes.update(nodes)
         self._changed()
         self._schedule()
 
@@ -93,7 +120,17 @@ class Wakeups:
 
     def _wake_admitted(self) -> None:
         self._flush = None
-        for key in self._admit(sorted(self._waiting)):
+        waiting, nodes = sorted(self._waiting), frozenset(self._device_nodes)
+        broad, self._broad = self._broad or not nodes, False
+        recheck = [k for k in waiting if k in self._recheck]
+        self._device_nodes.clear()
+        self._recheck.clear()
+        if broad:
+            admitted = self._admit(waiting)
+        else:
+            rest = [k for k in waiting if k not in recheck]
+            admitted = sorted({*self._admit_devices(rest, nodes), *self._admit(recheck)})
+        for key in admitted:
             self.woken += 1
             self.poke(key)
 
@@ -126,7 +163,12 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     resolved = await reconciler.resolved(client, memo.settings)
     memo.reconciler = reconciler.Reconciler(client=client, cache=cache, settings=resolved)
     queue = memo.reconciler.placer.waiting
-    memo.wakeups = Wakeups(queue.wake, queue.capacity_changed, queue.missed)
+    memo.wakeups = Wakeups(
+        queue.wake,
+        queue.capacity_changed,
+        queue.missed,
+        functools.partial(device_wake.admitted, queue),
+    )
     memo.watches = asyncio.create_task(cache.run(client, memo.wakeups, memo.namespaces))
     memo.leading = asyncio.Event()
     tenure = leadership.Tenure(math.inf if memo.election is None else -math.inf)

@@ -61,6 +61,8 @@ class Queue:
         self._uids: dict[Key, str] = {}
         """(namespace, name) -> UID of the waiting job of that name."""
         self._demands: dict[Hashable, feasibility.Demand] = {}
+        self.specs: dict[str, api_spec.TrainingJobSpec] = {}
+        """UID -> the waiting job's spec (what a device change is judged against, ``device_wake``)."""
         """Shape -> a pod demand of that shape (what free slots are counted for)."""
         self.kueue: set[str] = set()
         """UIDs of jobs Kueue admitted: Kueue's queue orders them, so they neither hold the
@@ -80,6 +82,10 @@ class Queue:
     def planning(self, ref: identity.JobRef, generation: int) -> None:
         """A plan of the job starts now: what it sees is the capacity as of :attr:`seq`."""
         self._planned[ref.uid] = (self.seq, generation)
+
+    def uid_of(self, key: Key) -> str | None:
+        """The UID of the waiting job ``key`` (None: not waiting)."""
+        return self._uids.get(key)
 
     def missed(self, key: Key) -> bool:
         """Whether capacity changed since the waiting job ``key``'s last plan started."""
@@ -126,6 +132,7 @@ class Queue:
         fits = need.shape is None or self._fits_drained(need.shape, need.pods)
         entry = self.entries[ref.uid] = capacity_queue.Waiting(ref.uid, need, since, fits, misses)
         self._uids[(ref.namespace, ref.name)] = ref.uid
+        self.specs[ref.uid] = spec
         if found is not None:
             self._prune(found.need.shape)
         return entry
@@ -133,6 +140,7 @@ class Queue:
     def leave(self, ref: identity.JobRef) -> None:
         """The job waits no more (placed, deleted, finished or suspended)."""
         left = self.entries.pop(ref.uid, None)
+        self.specs.pop(ref.uid, None)
         self.kueue.discard(ref.uid)
         self._planned.pop(ref.uid, None)
         self._verdicts.pop(ref.uid, None)

@@ -1,7 +1,8 @@
 """The operator's device verdict against the real kube-scheduler, which allocates DRA claims itself.
 
 Random small clusters publish ResourceSlices by hand (no driver runs: a slice is an API object
-with a driver name and a nodeName) with random GPUs (product, memory, NVLink clique, PCIe root; a few tainted),
+with a driver name and a nodeName; a pool in one slice or two, one of two missing at times, an
+older generation beside the newest at times) with random GPUs (product, memory, NVLink clique, PCIe root; a few tainted),
 and random claims already hold some of them (an allocation written to the claim's status, as
 the scheduler writes it), and admin-access claims (a monitoring agent's) see all of them while
 holding none.  For every node, a probe pod pinned to it asks, through a
@@ -117,6 +118,31 @@ def _slice(rng: random.Random, node: str) -> dict[str, Any]:
         "devices": gpus,
     }
     return {"metadata": {"name": f"{node}-gpus"}, "spec": spec}
+
+
+def _pool(rng: random.Random, node: str) -> list[dict[str, Any]]:
+    """The slices of ``node``'s pool as a driver may leave them: one slice, or the newest
+    generation in two slices (one of them missing at times: an incomplete pool while the driver
+    republishes), beside an older generation's slice at times."""
+    newest = _slice(rng, node)
+    pool = newest["spec"]["pool"]
+    published = [newest]
+    if rng.random() < 0.4:
+        second = _slice(rng, node)
+        second["metadata"]["name"] = f"{node}-gpus-b"
+        for device in second["spec"]["devices"]:
+            device["name"] = f"b-{device['name']}"
+        pool["resourceSliceCount"] = 2
+        second["spec"]["pool"] = pool
+        published.append(second)
+        if rng.random() < 0.4:  # the second slice not published yet
+            published.pop(rng.randrange(2))
+    if rng.random() < 0.3:
+        pool["generation"] = 2
+        older = _slice(rng, node)
+        older["metadata"]["name"] = f"{node}-gpus-old"
+        published.append(older)
+    return published
 
 
 def _claim(
@@ -299,9 +325,10 @@ def _round(
     try:
         for name in names:
             cluster.add_node("dra", gpus=0, name=name)  # no extended-resource GPU
-            published = _slice(rng, name)
-            resource.create_resource_slice(published)
-            gpus = [d["name"] for d in published["spec"]["devices"]]
+            published = _pool(rng, name)
+            for found in published:
+                resource.create_resource_slice(found)
+            gpus = [d["name"] for d in published[0]["spec"]["devices"]]
             if rng.random() < 0.6:
                 claims.append(_hold(resource, name, rng.sample(gpus, rng.randint(1, len(gpus)))))
             if rng.random() < 0.4:  # a monitoring agent's admin-access claim on every GPU
@@ -330,7 +357,8 @@ def _round(
             )
             _ignore_missing(resource.delete_namespaced_resource_claim, claim, "probe")
         for name in names:
-            _ignore_missing(resource.delete_resource_slice, f"{name}-gpus")
+            for suffix in ("", "-b", "-old"):
+                _ignore_missing(resource.delete_resource_slice, f"{name}-gpus{suffix}")
             _ignore_missing(core.delete_node, name)
 
 

@@ -53,14 +53,60 @@ def trim_slice(obj: kube.Body) -> kube.Body:
 
 
 def trim_claim(obj: kube.Body) -> kube.Body:
-    """A ResourceClaim as the cache keeps it: the devices its allocation holds (results with
-    ``adminAccess`` hold none and are dropped, :func:`devices.allocated_devices`)."""
+    """A ResourceClaim as the cache keeps it: whether it is allocated, on which node (``nodeName``,
+    from the allocation's node selector, when it names one node), and the devices the allocation
+    holds (results with ``adminAccess`` hold none and are dropped, :func:`devices.allocated_devices`)."""
+    allocation = (obj.get("status") or {}).get("allocation")
+    if not isinstance(allocation, dict):
+        return {"metadata": _names(obj.get("metadata") or {}), "status": {}}
     results = [
         {"driver": driver, "pool": pool, "device": device}
         for driver, pool, device in devices.allocated_devices(obj)
     ]
-    status = {"allocation": {"devices": {"results": results}}} if results else {}
-    return {"metadata": _names(obj.get("metadata") or {}), "status": status}
+    kept: dict[str, Any] = {"devices": {"results": results}}
+    node = allocated_node(allocation)
+    if node is not None:
+        kept["nodeName"] = node
+    return {"metadata": _names(obj.get("metadata") or {}), "status": {"allocation": kept}}
+
+
+def allocated_node(allocation: dict[str, Any]) -> str | None:
+    """The one node an allocation's ``nodeSelector`` names (``metadata.name In [node]``, as
+    kube-scheduler writes it for node-local devices); None: none, or not one node."""
+    terms = (allocation.get("nodeSelector") or {}).get("nodeSelectorTerms") or []
+    if len(terms) != 1 or not isinstance(terms[0], dict):
+        return None
+    fields = terms[0].get("matchFields") or []
+    for field in fields[: limits.MAX_DEVICE_FIELDS]:
+        if not isinstance(field, dict):
+            continue
+        values = field.get("values")
+        one = isinstance(values, list) and len(values) == 1
+        if field.get("key") == "metadata.name" and field.get("operator") == "In" and one:
+            return str(values[0])  # type: ignore[index]
+    return None
+
+
+def is_allocated(claim: kube.Body | None) -> bool:
+    """Whether a cached claim (:func:`trim_claim`) is allocated."""
+    return claim is not None and "allocation" in (claim.get("status") or {})
+
+
+def changed_nodes(what: str, old: kube.Body | None, new: kube.Body | None) -> frozenset[str] | None:
+    """The nodes where a change of a followed object (None: gone) may have freed or added devices:
+    a slice's node (any change), a claim's allocated node when its devices were freed (a claim
+    being allocated frees nothing: empty).  None: any node (a DeviceClass changed, or a freed
+    claim's node is not known)."""
+    if what == "deviceclasses":
+        return None
+    if what == "resourceslices":
+        nodes = {((o or {}).get("spec") or {}).get("nodeName") for o in (old, new)}
+        return frozenset(str(n) for n in nodes if n)
+    held = set(devices.allocated_devices(old or {}))
+    if not held or held <= set(devices.allocated_devices(new or {})):
+        return frozenset()
+    node = (((old or {}).get("status") or {}).get("allocation") or {}).get("nodeName")
+    return frozenset([str(node)]) if node else None
 
 
 def trim_class(obj: kube.Body) -> kube.Body:

@@ -10,6 +10,7 @@ after a write sees it.  Watch events wake the job daemons (:class:`Waker`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import gc
 import logging
@@ -17,7 +18,7 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from meshtrain.api import limits
@@ -35,6 +36,7 @@ TOMBSTONE_SECONDS = 120.0
 FINISHED = ("Succeeded", "Failed")
 
 _T = TypeVar("_T")
+_H = TypeVar("_H", bound=Hashable)
 Key = tuple[str, str]
 """(namespace, name); namespace is empty for nodes."""
 
@@ -45,6 +47,7 @@ class Waker(Protocol):
 
     def poke(self, key: tuple[str, str]) -> None: ...
     def poke_waiting(self) -> None: ...
+    def poke_devices(self, nodes: frozenset[str] | None) -> None: ...
 
 
 def _version(obj: kube.Body) -> int:
@@ -195,6 +198,9 @@ class _Asleep:
     def poke_waiting(self) -> None:
         pass
 
+    def poke_devices(self, nodes: frozenset[str] | None) -> None:
+        pass
+
 
 class Store:
     """Objects by key, newest resourceVersion wins; optional index of pods by (namespace, job)."""
@@ -336,7 +342,16 @@ class Cache:
         self._devices = device_cache.RESOURCES if follow_devices else ()
         self.dra = {name: Store(trim) for name, trim in device_cache.TRIMS.items()}
         """ResourceSlices, ResourceClaims and DeviceClasses (``device_cache.RESOURCES``)."""
+        self.dra["resourceclaims"] = Store(device_cache.trim_claim, on_change=self._claim_changed)
         self._inventory: tuple[tuple[int, ...], devices.Inventory] = ((), devices.EMPTY)
+        self._allocated: Counter[devices.Key] = Counter()
+        """Device -> claims whose allocation holds it (kept per claim event, not rebuilt)."""
+        self._awaiting: dict[Key, devices.Awaiting] = {}
+        """Bound pods whose claims the cache may not show allocated yet (``devices.awaiting``)."""
+        self._awaiting_on: dict[str, set[Key]] = {}
+        """Node -> the :attr:`_awaiting` pods bound to it."""
+        self._awaiting_for: dict[Key, set[Key]] = {}
+        """Claim (namespace, name) -> the :attr:`_awaiting` pods that wait for it."""
         self._live: dict[Key, capacity.Owner] = {}
         """(namespace, job) -> the live TrainingJob of that name (``capacity.live_owner``)."""
         self._requested: dict[str, Counter[str]] = {}
@@ -365,17 +380,59 @@ class Cache:
         return capacity.counted_node(pod, owner)
 
     def inventory(self) -> devices.Inventory:
-        """The devices of the cluster (``devices.inventory``), rebuilt only after a change."""
-        key = tuple(self.dra[name].changes for name in device_cache.RESOURCES)
-        if self._inventory[0] != key:
-            slices, claims, classes = (self.dra[n].values() for n in device_cache.RESOURCES)
-            self._inventory = (key, devices.inventory(slices, claims, classes))
-        return self._inventory[1]
+        """The devices of the cluster (``devices.inventory``): the slices and classes parsed again
+        only after one of them changed; a claim's change updates only the allocated set."""
+        slices, claims, classes = (self.dra[n] for n in device_cache.RESOURCES)
+        key = (slices.changes, classes.changes, claims.changes)
+        built = self._inventory
+        if built[0][:2] != key[:2]:
+            found = devices.inventory(slices.values(), (), classes.values())
+            built = (key, dataclasses.replace(found, allocated=frozenset(self._allocated)))
+        elif built[0] != key:
+            built = (key, dataclasses.replace(built[1], allocated=frozenset(self._allocated)))
+        self._inventory = built
+        return built[1]
+
+    def _claim_changed(self, old: kube.Body | None, new: kube.Body | None) -> None:
+        """A claim changed: the allocated set follows, and the nodes of pods waiting for it
+        count their devices again."""
+        for claim, sign in ((old, -1), (new, 1)):
+            for device in devices.allocated_devices(claim or {}):
+                self._allocated[device] += sign
+                if self._allocated[device] <= 0:
+                    del self._allocated[device]
+        for pod in self._awaiting_for.get(_key(new or old or {}), ()):
+            self._usage_of.pop(self._awaiting[pod].node, None)
 
     def _count(self, old: kube.Body | None, new: kube.Body | None) -> None:
         for pod, sign in ((old, -1), (new, 1)):
             if pod is not None:
                 self._charge(pod, self._node_of(pod), sign)
+        if self._devices:
+            self._await(_key(new or old or {}), None if new is None else devices.awaiting(new))
+
+    def _await(self, pod: Key, found: devices.Awaiting | None) -> None:
+        """Index (or forget) the bound pod ``pod`` whose claims the cache may not show allocated."""
+        gone = self._awaiting.pop(pod, None)
+        for entry, add in ((gone, False), (found, True)):
+            if entry is None:
+                continue
+            self._usage_of.pop(entry.node, None)
+            _member(self._awaiting_on, entry.node, pod, add)
+            for claim in entry.claims:
+                _member(self._awaiting_for, (pod[0], claim), pod, add)
+        if found is not None:
+            self._awaiting[pod] = found
+
+    def _awaiting_held(self, node: str) -> int:
+        """Devices of pods bound to ``node`` whose claims the cache does not show allocated."""
+        claims = self.dra["resourceclaims"]
+        held = 0
+        for pod in self._awaiting_on.get(node, ()):
+            entry = self._awaiting[pod]
+            if not all(device_cache.is_allocated(claims.get((pod[0], c))) for c in entry.claims):
+                held += entry.count
+        return held
 
     def _charge(self, pod: kube.Body, node: str | None, sign: int) -> None:
         if not node:
@@ -439,6 +496,9 @@ class Cache:
 
     def _node_usage(self, requested: Counter[str], node: str, fewer: int = 0) -> feasibility.Usage:
         kept = {r: a for r, a in requested.items() if a}
+        awaiting = self._awaiting_held(node) if node in self._awaiting_on else 0
+        if awaiting:
+            kept[devices.HELD] = kept.get(devices.HELD, 0) + awaiting
         return feasibility.Usage(requested=kept, pods=self._pods_on[node] - fewer)
 
     def learn(self, verb: str, obj: kube.Body) -> None:
@@ -533,10 +593,15 @@ class Cache:
                     version = (obj.get("metadata") or {}).get("resourceVersion") or version
                     if type_ == "BOOKMARK":
                         continue
+                    old = store.get(_key(obj)) if what in device_cache.RESOURCES else None
                     if type_ == "DELETED":
                         store.remove(obj)
                     elif not store.upsert(obj):
                         continue  # nothing the operator reads changed (a heartbeat)
+                    if what in device_cache.RESOURCES:
+                        new = None if type_ == "DELETED" else store.get(_key(obj))
+                        waker.poke_devices(device_cache.changed_nodes(what, old, new))
+                        continue
                     _wake(waker, what, type_, obj)
             except kube.ApiError as err:
                 if err.status == 410:
@@ -555,6 +620,17 @@ class Cache:
                 failures += 1
                 logger.warning("watch of %s interrupted: %s", what, err)
                 await asyncio.sleep(_retry_delay(err, failures))
+
+
+def _member(index: dict[_H, set[Key]], where: _H, pod: Key, add: bool) -> None:
+    """Add ``pod`` to (or drop it from) ``index[where]``; an emptied set goes."""
+    members = index.setdefault(where, set())
+    if add:
+        members.add(pod)
+        return
+    members.discard(pod)
+    if not members:
+        del index[where]
 
 
 def _retry_delay(err: BaseException, failures: int) -> float:
@@ -600,7 +676,7 @@ def _charged(pod: kube.Body, with_devices: bool) -> dict[str, int]:
 
 
 def _wake(waker: Waker, what: str, type_: str, obj: kube.Body) -> None:
-    if what == "nodes" or what in device_cache.RESOURCES:
+    if what == "nodes":
         waker.poke_waiting()
         return
     job = job_of(obj)

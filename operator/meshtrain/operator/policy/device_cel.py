@@ -6,7 +6,7 @@ domain is an empty map; Kubernetes' ``quantity()`` and ``semver()`` libraries as
 selectors use them.  Evaluation is ``cel-python``'s, synchronous on the operator's event loop, so
 only expressions of bounded cost are compiled: not too long, no comprehension macro and no
 ``matches`` (``UNBOUNDED``); the rest are left to kube-scheduler, which evaluates them under the
-API server's cost limit.  An expression that does not parse, names what the environment lacks, is
+API server's cost limit; a placement pass spends at most a :class:`Budget` of time on them.  An expression that does not parse, names what the environment lacks, is
 refused by its cost, or fails on a device (a missing attribute, as in Kubernetes) gives
 :class:`Unknown` with the reason: the caller reports it, never crashes on it.  Pure.
 """
@@ -17,14 +17,17 @@ import dataclasses
 import decimal
 import functools
 import re
-from collections.abc import Mapping
-from typing import Any
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import celpy
 from celpy import celtypes
 from kubernetes.utils import quantity as k8s_quantity
 
 from meshtrain.api import limits
+
+_T = TypeVar("_T")
 
 MAX_EXPRESSION_LENGTH = limits.MAX_EVALUATED_SELECTOR_LENGTH
 """Longest selector evaluated here (the API server allows ten times as long)."""
@@ -206,6 +209,36 @@ def compile_selector(expression: str) -> Any:
         return environment.program(environment.compile(expression), functions=dict(FUNCTIONS))
     except Exception as err:  # noqa: BLE001 - the library raises many kinds; each is an answer
         return Unknown(expression, f"does not compile: {_short(err)}")
+
+
+class Budget:
+    """The CEL evaluation time one placement pass may still spend (:data:`limits.MAX_CEL_SECONDS_PER_PASS`).
+
+    A pass judges every node's devices synchronously on the operator's event loop; the compile-time
+    bounds cap one selector's cost and the per-node character budget one node's, but not the sum
+    over thousands of nodes whose devices differ in what the selectors read.  Evaluations are timed
+    (the process's own clock: no I/O) and, once the budget is spent, the nodes not judged yet are
+    left to kube-scheduler.
+    """
+
+    def __init__(self, seconds: float = limits.MAX_CEL_SECONDS_PER_PASS) -> None:
+        self.seconds = seconds
+        """What the pass may spend."""
+        self.used = 0.0
+        """What it spent so far."""
+
+    @property
+    def spent(self) -> bool:
+        """Whether no more evaluation may start."""
+        return self.used >= self.seconds
+
+    def timed(self, call: Callable[[], _T]) -> _T:
+        """``call()``, its time charged to the budget."""
+        started = time.perf_counter()
+        try:
+            return call()
+        finally:
+            self.used += time.perf_counter() - started
 
 
 def evaluate(expression: str, device: Mapping[str, Any]) -> Verdict:

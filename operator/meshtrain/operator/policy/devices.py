@@ -14,6 +14,7 @@ NVLink domain is its ``cliqueId`` attribute (of its driver's domain), its PCIe l
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -325,8 +326,16 @@ def matches(device: Device, selectors: Sequence[str]) -> device_cel.Verdict:
     return verdict
 
 
-def fit(request: Request, found: Inventory, node: str, held: int = 0) -> Fit:
-    """How many pods of ``request`` ``node``'s free devices serve, less ``held`` devices."""
+def fit(
+    request: Request,
+    found: Inventory,
+    node: str,
+    held: int = 0,
+    budget: device_cel.Budget | None = None,
+) -> Fit:
+    """How many pods of ``request`` ``node``'s free devices serve, less ``held`` devices; the
+    evaluations charged to the pass's ``budget`` (None: unbounded), left to kube-scheduler once it
+    is spent."""
     known = found.classes.get(request.device_class)
     if known is None:
         return Fit(slots=0, free=0, missing_class=request.device_class)
@@ -338,7 +347,7 @@ def fit(request: Request, found: Inventory, node: str, held: int = 0) -> Fit:
     cost = sum(len(expression) for expression in selectors)
     if cost > limits.MAX_EVALUATED_SELECTORS_CHARS:
         return _left_to_scheduler(f"selectors of {cost} characters of CEL")
-    budget = limits.MAX_CEL_CHARS_PER_NODE
+    chars = limits.MAX_CEL_CHARS_PER_NODE
     free: list[Device] = []
     for device in found.devices.get(node, ()):
         if device.key in found.allocated or device.tainted:
@@ -348,12 +357,19 @@ def fit(request: Request, found: Inventory, node: str, held: int = 0) -> Fit:
                 f"device {device.name} shares counters or capacity, which are not modelled"
             )
         if not remembered(device, selectors):
-            budget -= cost
-            if budget < 0:
+            chars -= cost
+            if chars < 0:
                 return _left_to_scheduler(
                     f"more than {limits.MAX_CEL_CHARS_PER_NODE} characters of CEL on one node"
                 )
-        verdict = matches(device, selectors)
+            if budget is not None and budget.spent:
+                return _left_to_scheduler(
+                    f"the pass spent its {budget.seconds:g} s of CEL evaluation before this node"
+                )
+        if budget is not None:
+            verdict = budget.timed(functools.partial(matches, device, selectors))
+        else:
+            verdict = matches(device, selectors)
         if isinstance(verdict, device_cel.Unknown):
             return Fit(slots=0, free=0, unknown=verdict.describe())
         if verdict:
@@ -416,6 +432,68 @@ def held_by(pod: Mapping[str, Any]) -> int:
     spec = pod.get("spec") or {}
     if spec.get("nodeName") or not spec.get("resourceClaims"):
         return 0
+    return _devices_used(spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class Awaiting:
+    """A bound pod whose devices count as held until the cache shows its claims allocated."""
+
+    node: str
+    """The node it is bound to."""
+    count: int
+    """Its devices (its trainer's ``PET_NPROC_PER_NODE``)."""
+    claims: tuple[str, ...]
+    """The names of the ResourceClaims its claims resolve to, in its namespace; ``""`` for a
+    claim the resourceclaim controller has not named yet (never allocated in the cache)."""
+
+
+def awaiting(pod: Mapping[str, Any]) -> Awaiting | None:
+    """A bound, unfinished pod with resource claims (or whose plain GPU request a KEP-5004 class
+    served: ``status.extendedResourceClaimStatus`` names the claim kube-scheduler made for it), as
+    :class:`Awaiting`; None for any other.
+
+    kube-scheduler writes a claim's allocation before it binds the pod, but the operator follows
+    pods and claims on two watches: the pod's binding may arrive first.  Until every claim of the
+    pod shows allocated in the cache, its devices are held (``HELD``) on its node.
+    """
+    spec, status = pod.get("spec") or {}, pod.get("status") or {}
+    node = spec.get("nodeName")
+    claims = spec.get("resourceClaims")
+    extended = (status.get("extendedResourceClaimStatus") or {}).get("resourceClaimName")
+    if not node or status.get("phase") in ("Succeeded", "Failed"):
+        return None
+    count = _devices_used(spec)
+    if count <= 0:
+        return None
+    if (
+        extended and not claims
+    ):  # a plain GPU request a KEP-5004 class served: the scheduler's claim
+        return Awaiting(node=str(node), count=count, claims=(str(extended),))
+    if not isinstance(claims, list) or not claims:
+        return None
+    statuses = status.get("resourceClaimStatuses") or []
+    generated = {
+        str(s.get("name")): s.get("resourceClaimName")
+        for s in statuses[: limits.MAX_CLAIM_RESULTS]
+        if isinstance(s, Mapping)
+    }
+    names: list[str] = []
+    for claim in claims[: limits.MAX_CLAIM_RESULTS]:
+        if not isinstance(claim, Mapping):
+            continue
+        if claim.get("resourceClaimName"):
+            names.append(str(claim["resourceClaimName"]))
+        elif str(claim.get("name")) in generated:
+            if generated[str(claim.get("name"))]:  # null: the template made no claim
+                names.append(str(generated[str(claim.get("name"))]))
+        else:
+            names.append("")
+    return Awaiting(node=str(node), count=count, claims=tuple(names))
+
+
+def _devices_used(spec: Mapping[str, Any]) -> int:
+    """The devices a pod of the operator's uses: its trainer's ``PET_NPROC_PER_NODE`` (0: none)."""
     for container in spec.get("containers") or []:
         for env in container.get("env") or []:
             if isinstance(env, Mapping) and env.get("name") == NPROC_ENV:
@@ -449,6 +527,8 @@ class Ask:
     """Devices (or units of ``gpu_resource``) one pod takes."""
     request: Request | None = None
     """A DRA job's per-pod claim; None: the job requests ``gpu_resource``."""
+    budget: device_cel.Budget = dataclasses.field(default_factory=device_cel.Budget, compare=False)
+    """The CEL time the pass that judges this ask may still spend (one ask per pass)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -499,7 +579,7 @@ def judge(
     pending = used.get(UNBOUND + ask.gpu_resource, 0) if serving is not None and plugin <= 0 else 0
     if ask.request is not None:
         doubled = used.get(ask.gpu_resource, 0) if plugin > 0 and published else pending
-        fitted = fit(ask.request, ask.inventory, node, held + doubled)
+        fitted = fit(ask.request, ask.inventory, node, held + doubled, ask.budget)
         if fitted.deferred:
             return NodeDevices(None)
         reason = fitted.reason or CANNOT_ALLOCATE
@@ -508,7 +588,7 @@ def judge(
         return NodeDevices(None)
     request = Request(device_class=serving.name, selectors=(), count=ask.gpus_per_pod)
     if plugin <= 0:  # kube-scheduler serves the request from the class's devices
-        fitted = fit(request, ask.inventory, node, held + pending)
+        fitted = fit(request, ask.inventory, node, held + pending, ask.budget)
         reason = fitted.reason or CANNOT_ALLOCATE
         return NodeDevices(fitted.slots, reason, nvlink_domain(fitted), True)
     claimed = sum(
