@@ -19,7 +19,7 @@ from typing import Any
 import kopf
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import reconciler
+from meshtrain.operator import reconciler, replan_counts
 from meshtrain.operator.cluster import api_errors, children, informer, kube, leadership
 from meshtrain.operator.policy import kueue_workload, naming
 
@@ -49,6 +49,7 @@ class Wakeups:
         admit: Callable[[list[tuple[str, str]]], list[tuple[str, str]]] = lambda keys: keys,
         changed: Callable[[], None] = lambda: None,
         missed: Callable[[tuple[str, str]], bool] = lambda key: False,
+        counts: replan_counts.Counts | None = None,
     ) -> None:
         self._events: dict[tuple[str, str], asyncio.Event] = {}
         self._waiting: set[tuple[str, str]] = set()
@@ -58,6 +59,8 @@ class Wakeups:
         """Counts a capacity change (``waiting.Queue.capacity_changed``)."""
         self._missed = missed
         """Whether capacity changed since a job's last plan started (``waiting.Queue.missed``)."""
+        self._counts = counts or replan_counts.Counts()
+        """Per waiting job, the wake-ups it got (and, counted by the placer, its plans)."""
         self._flush: asyncio.TimerHandle | None = None
         self.woken = 0
         """Wake-ups of waiting jobs so far (each one a capacity change that could admit the job)."""
@@ -77,8 +80,9 @@ class Wakeups:
                 self._waiting.add(key)
                 self._schedule()
             self._waiting.add(key)
-        else:
+        elif key in self._waiting:
             self._waiting.discard(key)
+            self._counts.settled(key)
 
     def poke_waiting(self) -> None:
         """Capacity changed: wake the waiting jobs it could admit, after the changes that follow
@@ -95,11 +99,13 @@ class Wakeups:
         self._flush = None
         for key in self._admit(sorted(self._waiting)):
             self.woken += 1
+            self._counts.admitted(key)
             self.poke(key)
 
     def forget(self, key: tuple[str, str]) -> None:
         self._events.pop(key, None)
         self._waiting.discard(key)
+        self._counts.settled(key)
 
 
 @kopf.on.login()
@@ -126,7 +132,8 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     resolved = await reconciler.resolved(client, memo.settings)
     memo.reconciler = reconciler.Reconciler(client=client, cache=cache, settings=resolved)
     queue = memo.reconciler.placer.waiting
-    memo.wakeups = Wakeups(queue.wake, queue.capacity_changed, queue.missed)
+    counts = memo.reconciler.placer.replans
+    memo.wakeups = Wakeups(queue.wake, queue.capacity_changed, queue.missed, counts)
     memo.watches = asyncio.create_task(cache.run(client, memo.wakeups, memo.namespaces))
     memo.leading = asyncio.Event()
     tenure = leadership.Tenure(math.inf if memo.election is None else -math.inf)
