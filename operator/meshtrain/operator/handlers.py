@@ -80,7 +80,7 @@ class Wakeups:
                 self._waiting.add(key)
                 self._schedule()
             self._waiting.add(key)
-        elif key in self._waiting:
+        else:
             self._waiting.discard(key)
             self._counts.settled(key)
 

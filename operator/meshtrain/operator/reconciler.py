@@ -142,6 +142,12 @@ class Outcome:
     """The job is finished and nothing is left to do for it (no TTL pending)."""
 
 
+def _created(action: job_actions.Action, did: bool, body: dict[str, Any]) -> bool:
+    """Whether ``action`` placed the gang anew and created it (its placement is recorded)."""
+    placed = bool((body.get("status") or {}).get("placement"))
+    return did and placed and isinstance(action, job_actions.Place) and action.missing is None
+
+
 class Reconciler:
     """Reconciles TrainingJobs through one API client; shared by every job of the process."""
 
@@ -215,7 +221,7 @@ class Reconciler:
                         self._workload_rejections.forget(job.ref.uid)
             else:
                 body, job, did = await self._act(action, body, job)
-                if did and isinstance(action, job_actions.Place) and action.missing is None:
+                if _created(action, did, body):
                     body, job, _ = await self._gates_in_pass(body, job, queue)
             changed = changed or did
         body, job, did = await self._checkpoints_warned(body, job)
