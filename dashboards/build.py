@@ -598,6 +598,33 @@ OPERATOR_PANELS: list[Panel] = [
         + OPERATOR_OWN,
         thresholds=None,
     ),
+    Panel(
+        "Re-plans per admitting capacity change",
+        "none",
+        [
+            (
+                "most, any waiting job",
+                f"max(meshtrain_operator_replans_per_admission_max{{{OWNSEL}}})",
+            ),
+            (
+                "p99, jobs that stopped waiting",
+                "histogram_quantile(0.99, sum by (le) (rate("
+                f"meshtrain_operator_replans_per_admission_bucket{{{OWNSEL}}}[{RI}])))",
+            ),
+            (
+                "admitting wake-ups/s",
+                f"sum(rate(meshtrain_operator_replan_admissions_total{{{OWNSEL}}}[{RI}]))",
+            ),
+            (
+                "assumed pods expired/s",
+                f"sum(rate(meshtrain_operator_assumed_pods_expired_total{{{OWNSEL}}}[{RI}]))",
+            ),
+        ],
+        "Per waiting job, plans while it waited per capacity change the wake-up rule said could "
+        "admit it (the target is 1 at most), the wake-ups themselves, and pods assumed on their "
+        "planned node whose assumption ran out before the pod appeared (docs/operator.md)."
+        + OPERATOR_OWN,
+    ),
 ]
 
 

@@ -151,12 +151,16 @@ def test_every_query_filters_by_namespace(path):
 
 
 def test_the_operator_row_holds_exactly_the_operators_own_series():
-    """Process-wide series (up, the API's requests and errors) carry the operator's namespace, the
-    per-job ones the job's: each sits on the side of its own variable, and no per-job panel is
-    filtered by the operator's namespace (a tenant's namespace would empty it)."""
+    """Process-wide series (up, the API's requests and errors, the re-plan counts and assumed
+    pods, which carry no job label) carry the operator's namespace, the per-job ones the job's:
+    each sits on the side of its own variable, and no per-job panel is filtered by the
+    operator's namespace (a tenant's namespace would empty it)."""
     board = json.loads((REPO / "dashboards" / "meshtrain-operator.json").read_text())
     row_of = rows(board)
-    own = re.compile(r"\b(up|meshtrain_operator_api_\w+)\{")
+    own = re.compile(
+        r"\b(up|meshtrain_operator_api_\w+|meshtrain_operator_replans_per_admission\w*"
+        r"|meshtrain_operator_replan_admissions_total|meshtrain_operator_assumed_pods_expired_total)\{"
+    )
     for panel in board["panels"]:
         for target in panel["targets"]:
             process_wide = bool(own.search(target["expr"]))

@@ -20,7 +20,7 @@ from typing import Any
 import kopf
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import device_wake, reconciler
+from meshtrain.operator import device_wake, reconciler, replan_counts
 from meshtrain.operator.cluster import api_errors, children, informer, kube, leadership
 from meshtrain.operator.policy import kueue_workload, naming
 
@@ -53,6 +53,7 @@ class Wakeups:
         admit_devices: Callable[
             [list[tuple[str, str]], frozenset[str]], list[tuple[str, str]]
         ] = lambda keys, nodes: keys,
+        counts: replan_counts.Counts | None = None,
     ) -> None:
         self._events: dict[tuple[str, str], asyncio.Event] = {}
         self._waiting: set[tuple[str, str]] = set()
@@ -71,6 +72,8 @@ class Wakeups:
         """Whether a change other than on :attr:`_device_nodes` came since the last wake-up."""
         self._recheck: set[tuple[str, str]] = set()
         """Jobs whose plan raced a change of any kind: asked with the broad rule."""
+        self._counts = counts or replan_counts.Counts()
+        """Per waiting job, the wake-ups it got (and, counted by the placer, its plans)."""
         self._flush: asyncio.TimerHandle | None = None
         self.woken = 0
         """Wake-ups of waiting jobs so far (each one a capacity change that could admit the job)."""
@@ -93,6 +96,7 @@ class Wakeups:
             self._waiting.add(key)
         else:
             self._waiting.discard(key)
+            self._counts.settled(key)
 
     def poke_waiting(self) -> None:
         """Capacity changed: wake the waiting jobs it could admit, after the changes that follow
@@ -132,11 +136,13 @@ class Wakeups:
             admitted = sorted({*self._admit_devices(rest, nodes), *self._admit(recheck)})
         for key in admitted:
             self.woken += 1
+            self._counts.admitted(key)
             self.poke(key)
 
     def forget(self, key: tuple[str, str]) -> None:
         self._events.pop(key, None)
         self._waiting.discard(key)
+        self._counts.settled(key)
 
 
 @kopf.on.login()
@@ -168,6 +174,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         queue.capacity_changed,
         queue.missed,
         functools.partial(device_wake.admitted, queue),
+        counts=memo.reconciler.placer.replans,
     )
     memo.watches = asyncio.create_task(cache.run(client, memo.wakeups, memo.namespaces))
     memo.leading = asyncio.Event()

@@ -1,9 +1,10 @@
-"""The placement step of a pass: plan the gang and create it, all under one process-wide lock.
+"""The placement step of a pass: plan the gang under one process-wide lock, then create it.
 
-:class:`Placer` asks ``gang_fit`` where the gang fits and performs what ``placement_outcome``
-says the plan comes to, before the next job may plan, so two jobs never plan onto the same
-free GPUs.  Under the same lock it checks the planned nodes again before the gates are lifted,
-grows an elastic gang, and drops a placement whose nodes can no longer take it.
+:class:`Placer` asks ``gang_fit`` where the gang fits and writes what ``placement_outcome`` says
+the plan comes to, and assumes the gang's pods in the cache, before the next job may plan, so
+two jobs never plan onto the same free GPUs; the pods are created after the lock is released
+(``creating``).  Under the same lock it checks the planned nodes again before the gates are
+lifted, grows an elastic gang, and drops a placement whose nodes can no longer take it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import gang_fit, placement_lock, planning, waiting
+from meshtrain.operator import (
+    creating,
+    gang_fit,
+    placement_lock,
+    planning,
+    replan_counts,
+    waiting,
+)
 from meshtrain.operator.cluster import (
     children,
     claims,
@@ -110,6 +118,8 @@ class Placer:
         self.lock = placement_lock.PlacementLock()
         self.waiting = waiting.Queue(cache)
         """Jobs waiting for capacity: whom a capacity change wakes, who holds the reservation."""
+        self.replans = replan_counts.Counts()
+        """Per waiting job, its plans and the capacity changes that could admit it."""
         self._grow_backoff: dict[tuple[str, str], tuple[float, float]] = {}
         """Jobs whose last grow check found no room: (monotonic time of the next check, interval)."""
         self._next_plan: dict[str, float] = {}
@@ -130,6 +140,7 @@ class Placer:
     def forget(self, ref: identity.JobRef) -> None:
         """Drop what is remembered of a deleted job."""
         self.fit.forget(ref.namespace, ref.name, ref.uid)
+        self.cache.assumed.release(ref.uid)
         self.waiting.leave(ref)
         self.create_failures.forget(ref.uid)
         self._grow_backoff.pop((ref.namespace, ref.name), None)
@@ -448,16 +459,31 @@ class Placer:
             step, placed = await self._place_gang(
                 action.attempt, body, job, template, where, claim, action.topology
             )
-        if placed is not None:
-            logger.info(
-                "placed %s/%s %s on %d node(s)",
-                ref.namespace,
-                ref.name,
-                placed.spec.parallelism.layout_string,
-                len(set(placed.nodes)),
-            )
-            await self.writer.emit(step[0], "Normal", conditions.GANG_PLACED, placed.message)
-        return step
+        if placed is None:
+            return step
+        return await self._create(step, *placed)
+
+    async def _create(
+        self, step: Step, outcome: placement_outcome.Placed, gang: creating.Gang
+    ) -> Step:
+        """Create the placed gang, outside the lock (its pods are assumed in the cache meanwhile)."""
+        body, job, _ = step
+        ref = job.ref
+        refused = await creating.create(self.client, self.cache, gang)
+        if refused is not None:
+            return await self._refused(body, job, refused)
+        self.create_failures.forget(ref.uid)
+        self._next_plan.pop(ref.uid, None)
+        self.waiting.leave(ref)
+        logger.info(
+            "placed %s/%s %s on %d node(s)",
+            ref.namespace,
+            ref.name,
+            outcome.spec.parallelism.layout_string,
+            len(set(outcome.nodes)),
+        )
+        await self.writer.emit(body, "Normal", conditions.GANG_PLACED, outcome.message)
+        return body, job, True
 
     async def _held_back(
         self,
@@ -555,8 +581,9 @@ class Placer:
         where: kueue_workload.Assignment,
         claim: volumes.Topology | None,
         topology: kueue_topology.Assignment | None = None,
-    ) -> tuple[Step, placement_outcome.Placed | None]:
-        """Plan the whole gang, write what the plan comes to and, placed, create the gang's children."""
+    ) -> tuple[Step, tuple[placement_outcome.Placed, creating.Gang] | None]:
+        """Plan the whole gang and write what the plan comes to; placed, the gang's children to
+        create, its pods assumed in the cache."""
         assert job.spec is not None
         ref = job.ref
         started = time.perf_counter()
@@ -567,6 +594,7 @@ class Placer:
         cap = resizing.largest_allowed(job.declared or job.spec, job.status, now)
         if ref.uid in self.waiting.entries:  # it waited: a wake-up (or its resync) plans it again
             metrics.REPLANS.labels(namespace=ref.namespace).inc()
+            self.replans.planned((ref.namespace, ref.name))
         try:
             sized = await self.fit.plan_sizes(job, raw_nodes, nodes, demand, cap, topology)
         except planning.DeadlineExceeded as exceeded:
@@ -614,32 +642,24 @@ class Placer:
         if (ignored := torchrun_tier.ignored(spec)) is not None:
             await self.writer.emit(body, "Warning", torchrun_tier.IGNORED, ignored)
         group = await self._pod_group(ref, spec, attempt)
-        refused = await children.ensure(
-            self.client,
-            ref.uid,
-            self._shared_children(ref, spec, group),
-            [
-                kueue_workload.gang_pod(
-                    await self.gang_pod(pod, group), where, job=ref.name, topology=topology
-                )
-                for pod in builders.build_pods(
-                    ref,
-                    spec,
-                    attempt,
-                    outcome.nodes,
-                    default_image=self.trainer_image,
-                    restart_rules=self.restart_rules,
-                    restart_all=self.restart_all_on(outcome.nodes),
-                    pod_group=gang_backend.native_group(group),
-                )
-            ],
-        )
-        if refused is not None:
-            return await self._refused(body, job, refused), None
-        self.create_failures.forget(ref.uid)
-        self._next_plan.pop(ref.uid, None)
-        self.waiting.leave(ref)
-        return (body, job, True), outcome
+        pods = [
+            kueue_workload.gang_pod(
+                await self.gang_pod(pod, group), where, job=ref.name, topology=topology
+            )
+            for pod in builders.build_pods(
+                ref,
+                spec,
+                attempt,
+                outcome.nodes,
+                default_image=self.trainer_image,
+                restart_rules=self.restart_rules,
+                restart_all=self.restart_all_on(outcome.nodes),
+                pod_group=gang_backend.native_group(group),
+            )
+        ]
+        gang = creating.Gang(ref, self._shared_children(ref, spec, group), pods)
+        creating.assume(self.cache, gang)
+        return (body, job, True), (outcome, gang)
 
     async def _planning_refused(
         self, body: dict[str, Any], job: job_state.JobState, exceeded: planning.DeadlineExceeded

@@ -142,6 +142,12 @@ class Outcome:
     """The job is finished and nothing is left to do for it (no TTL pending)."""
 
 
+def _created(action: job_actions.Action, did: bool, body: dict[str, Any]) -> bool:
+    """Whether ``action`` placed the gang anew and created it (its placement is recorded)."""
+    placed = bool((body.get("status") or {}).get("placement"))
+    return did and placed and isinstance(action, job_actions.Place) and action.missing is None
+
+
 class Reconciler:
     """Reconciles TrainingJobs through one API client; shared by every job of the process."""
 
@@ -193,20 +199,8 @@ class Reconciler:
             self.client, self.writer, body, self.settings.default_queue
         )
         job = job_state.read(body)
-        pods = owned.owned_pods(self.cache, job.ref)
-        states = [s for s in (pod_state.read(p) for p in pods) if s is not None]
         queue = kueue_workload.queue_of((body.get("metadata") or {}).get("labels"))
-        kueue, workload = await workloads.gate(self.client, body, queue, self._rejected(job))
-        planned = {p.get("node") for p in job.status.get("placement") or [] if isinstance(p, dict)}
-        gone = frozenset(
-            n for n in planned if isinstance(n, str) and self.cache.nodes.get(("", n)) is None
-        )
-        if states and job.status.get("phase") not in job_state.FINAL:
-            await self.placer.check_gang_policy(job)
-        spares = sum(feasibility.holds_resources(p) for p in sparing.spare_pods(pods))
-        on = {n for n in planned if isinstance(n, str)} | {s.node for s in states if s.node}
-        labels = kueue_reassigned.node_labels(on, lambda n: self.cache.nodes.get(("", n)))
-        decision = lifecycle.decide(job, states, clock.now(), kueue, gone, spares, labels)
+        decision, kueue, workload = await self._decide(body, job, queue)
         changed = refused_now = False
         for action in decision.actions:
             if isinstance(action, workloads.ACTIONS):
@@ -227,6 +221,8 @@ class Reconciler:
                         self._workload_rejections.forget(job.ref.uid)
             else:
                 body, job, did = await self._act(action, body, job)
+                if _created(action, did, body):
+                    body, job, _ = await self._gates_in_pass(body, job, queue)
             changed = changed or did
         body, job, did = await self._checkpoints_warned(body, job)
         changed = changed or did
@@ -276,6 +272,49 @@ class Reconciler:
         return Outcome(
             changed=changed, requeue_after=requeue, waiting_for_capacity=waiting, done=done
         )
+
+    async def _decide(
+        self, body: dict[str, Any], job: job_state.JobState, queue: kueue_workload.Queue | None
+    ) -> tuple[job_actions.Decision, kueue_workload.Gate | None, dict[str, Any] | None]:
+        """What the job's pods in the cache and Kueue's answer say to do (``lifecycle.decide``),
+        with that answer and the job's Workload."""
+        pods = owned.owned_pods(self.cache, job.ref)
+        states = [s for s in (pod_state.read(p) for p in pods) if s is not None]
+        kueue, workload = await workloads.gate(self.client, body, queue, self._rejected(job))
+        planned = {p.get("node") for p in job.status.get("placement") or [] if isinstance(p, dict)}
+        gone = frozenset(
+            n for n in planned if isinstance(n, str) and self.cache.nodes.get(("", n)) is None
+        )
+        if states and job.status.get("phase") not in job_state.FINAL:
+            await self.placer.check_gang_policy(job)
+        spares = sum(feasibility.holds_resources(p) for p in sparing.spare_pods(pods))
+        on = {n for n in planned if isinstance(n, str)} | {s.node for s in states if s.node}
+        labels = kueue_reassigned.node_labels(on, lambda n: self.cache.nodes.get(("", n)))
+        decision = lifecycle.decide(job, states, clock.now(), kueue, gone, spares, labels)
+        return decision, kueue, workload
+
+    async def _gates_in_pass(
+        self, body: dict[str, Any], job: job_state.JobState, queue: kueue_workload.Queue | None
+    ) -> Step:
+        """The gang this pass just created: lift its gates now, not a pass later.
+
+        The decision is the one the next pass would make (the cache has learnt the created pods,
+        Kueue's answer is read again), so every check before the gates are lifted still holds:
+        Placed=True first, the planned nodes checked under the lock's urgent lane.  Only a
+        decision that lifts gates and needs nothing of Kueue's Workload is acted on here; any
+        other (a pod not seen yet, Kueue's own step first) waits for the next pass, as before.
+        """
+        decision, _, _ = await self._decide(body, job, queue)
+        actions = decision.actions
+        if not any(isinstance(a, job_actions.LiftGates) for a in actions) or any(
+            isinstance(a, workloads.ACTIONS) for a in actions
+        ):
+            return body, job, False
+        changed = False
+        for action in actions:
+            body, job, did = await self._act(action, body, job)
+            changed = changed or did
+        return body, job, changed
 
     async def _act(
         self, action: job_actions.Action, body: dict[str, Any], job: job_state.JobState

@@ -19,6 +19,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import kubernetes
 
@@ -514,9 +515,15 @@ def reconcile_passes(
     name: str,
     passes: int = 1,
     settings: reconciler.Settings | None = None,
+    stop_before_gates: bool = False,
 ) -> None:
     """Run ``passes`` reconcile passes of one job in this process (a reconciler with its cache;
-    ``settings``: the operator's flags, default its defaults)."""
+    ``settings``: the operator's flags, default its defaults).
+
+    ``stop_before_gates``: a pass that creates the gang ends there, as an operator that crashed
+    after creating the pods (else it lifts their gates itself): the gated gang stays for the
+    test to change the cluster before a later pass lifts them.
+    """
 
     async def run() -> None:
         client = await kube.Client.connect(kubeconfig=cluster.kubeconfig)
@@ -526,13 +533,25 @@ def reconcile_passes(
             worker = reconciler.Reconciler(
                 client=client, cache=cache, settings=settings or reconciler.Settings()
             )
-            for _ in range(passes):
-                await worker.reconcile(namespace=namespace, name=name)
+            with contextlib.ExitStack() as stack:
+                if stop_before_gates:
+                    stack.enter_context(
+                        mock.patch.object(reconciler.Reconciler, "_gates_in_pass", _stopped)
+                    )
+                for _ in range(passes):
+                    await worker.reconcile(namespace=namespace, name=name)
         finally:
             follow.cancel()
             await client.close()
 
     asyncio.run(run())
+
+
+async def _stopped(
+    self: reconciler.Reconciler, body: dict[str, Any], job: Any, queue: Any
+) -> tuple[dict[str, Any], Any, bool]:
+    """``Reconciler._gates_in_pass`` of an operator that crashed once the gang was created."""
+    return body, job, False
 
 
 def ensure_children(

@@ -44,13 +44,20 @@ def test_a_waiting_job_is_planned_only_for_a_change_that_could_admit_it(
             wait_for("the first plan counted", lambda: _unplaced_plans(operator, namespace) >= 1)
             time.sleep(1.0)  # a pass its own status write woke has come and gone
             before = _unplaced_plans(operator, namespace)
+            replans = _replans(operator, namespace)
             for _ in range(2):  # 24 GPUs: three nodes cannot hold four pods of 8
                 cluster.add_node(pool, gpus=8)
             time.sleep(3.0)
             assert _unplaced_plans(operator, namespace) == before
+            assert _replans(operator, namespace) == replans  # not planned again either
             cluster.add_node(pool, gpus=8)  # 32: room for the gang
             cluster.wait_gang(namespace, "big", 4)
             assert _unplaced_plans(operator, namespace) == before  # woken once, and placed
+            assert _replans(operator, namespace) == replans + 1  # by that one plan
+            # The operator's own per-job count: one plan for the one change that could admit it.
+            wait_for("the job's count closed", lambda: _sample(operator, "_count") == 1.0)
+            assert _sample(operator, "_sum") == 1.0
+            assert _sample(operator, "_max") == 1.0
         finally:
             operator.stop()
 
@@ -64,6 +71,12 @@ def _waits_for_gpus(cluster: Cluster, namespace: str, pool: str, data: int) -> N
         "Placed=False for want of GPUs",
         lambda: cluster.condition(namespace, "big", "Placed").get("reason") == "InsufficientGPUs",
     )
+
+
+def _sample(operator: OperatorProcess, suffix: str) -> float:
+    """``meshtrain_operator_replans_per_admission`` + ``suffix`` (``_count``, ``_sum``, ``_max``)."""
+    pattern = rf"^meshtrain_operator_replans_per_admission{suffix} (\S+)$"
+    return sum(float(v) for v in re.findall(pattern, operator.metrics(), re.M))
 
 
 def _replans(operator: OperatorProcess, namespace: str) -> float:

@@ -110,7 +110,9 @@ def _node_taken_after_the_check(
     pod takes the second node and the gates are lifted; the nodes."""
     nodes = [cluster.add_node(pool, gpus=2) for _ in range(2)]
     cluster.apply(JobBuilder("pair", namespace, pool).layout(data=4).gpus(2))
-    reconcile_passes(cluster, namespace, "pair", settings=_settings(backend))
+    reconcile_passes(
+        cluster, namespace, "pair", settings=_settings(backend), stop_before_gates=True
+    )
     pods = cluster.pods(namespace, "pair")
     assert len(pods) == 2 and all(p.spec.scheduling_gates for p in pods)
     taken = next(p.spec.affinity for p in pods if p.metadata.name == "pair-r0-1")

@@ -2,7 +2,9 @@
 
 The reconciler runs in this process, one pass at a time, on a private API
 server (no operator subprocess races it), so the test can change the cluster
-between the pass that creates the gated gang and the pass that lifts its gates.
+between the pass that creates the gated gang and the pass that lifts its gates
+(a pass lifts them itself once it created the gang: :func:`_created_gated` ends it
+before, as an operator that crashed there).
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ def private(control_plane_binaries) -> Iterator[Cluster]:
 
 def _pass(cluster: Cluster, name: str, passes: int = 1) -> None:
     reconcile_passes(cluster, "gates", name, passes)
+
+
+def _created_gated(cluster: Cluster, name: str) -> None:
+    """One pass that creates the gated gang and ends there (``stop_before_gates``)."""
+    reconcile_passes(cluster, "gates", name, stop_before_gates=True)
 
 
 def test_lifting_removes_our_gate_and_keeps_another_controllers(private):
@@ -118,7 +125,7 @@ def test_a_planned_node_tainted_before_the_gates_lift_gets_the_gang_placed_again
     pool = "replace"
     first = private.add_node(pool, gpus=4, name="replace-a")
     private.apply(JobBuilder("moved", "gates", pool).layout(data=4).gpus(4))
-    _pass(private, "moved")  # plans onto the only node and creates the gated pod
+    _created_gated(private, "moved")  # plans onto the only node and creates the gated pod
     [pod] = private.pods("gates", "moved")
     assert (
         pod.spec.scheduling_gates
@@ -282,7 +289,7 @@ def test_a_pod_nominated_to_a_planned_node_before_the_gates_lift_gets_the_gang_p
     """kube-scheduler holds a node's resources for a pod it nominated there (preemption made room)."""
     first = private.add_node("nominated", gpus=4, name="nominated-a")
     private.apply(JobBuilder("outranked", "gates", "nominated").layout(data=4).gpus(4))
-    _pass(private, "outranked")  # the gated pod, planned onto the only node
+    _created_gated(private, "outranked")  # the gated pod, planned onto the only node
     nominee = {  # gated, kube-scheduler leaves it alone: only its nomination is at play
         "metadata": {"name": "nominee"},
         "spec": {
@@ -373,7 +380,7 @@ def test_a_released_pod_the_scheduler_preempts_for_on_its_planned_node_is_left_t
     node = private.add_node("preempt", gpus=4, name="preempt-a")
     job = JobBuilder("preempting", "gates", "preempt").layout(data=4).gpus(4)
     private.apply(job.pod(priorityClassName="gates-high"))
-    _pass(private, "preempting")  # the gated pod, planned onto the only node
+    _created_gated(private, "preempting")  # the gated pod, planned onto the only node
     [pod] = private.pods("gates", "preempting")
     assert pod.spec.scheduling_gates and pod.metadata.annotations[naming.ANNOTATION_NODE] == node
     victim = {  # bound to a node with no kubelet: it stays Terminating until the test ends it
@@ -442,7 +449,7 @@ def test_a_re_placement_from_a_cache_that_missed_the_binding_gives_the_bound_pod
     containers may be up).  A force-delete would free GPUs its kubelet still uses."""
     node = private.add_node("lagging", gpus=4, name="lagging-a")
     private.apply(JobBuilder("lagged", "gates", "lagging").layout(data=4).gpus(4))
-    _pass(private, "lagged")  # the gated pod, planned onto the only node
+    _created_gated(private, "lagged")  # the gated pod, planned onto the only node
     [pod] = private.pods("gates", "lagged")
     stale = {"kind": "Pod", **private.core.api_client.sanitize_for_serialization(pod)}
 
@@ -522,7 +529,7 @@ def test_a_re_placement_whose_status_write_fails_leaves_the_pods_alone(private):
     or pods recreated on the very nodes that could not take them)."""
     node = private.add_node("unwritten", gpus=4, name="unwritten-a")
     private.apply(JobBuilder("unwritten", "gates", "unwritten").layout(data=4).gpus(4))
-    _pass(private, "unwritten")  # the gated pod, planned onto the only node
+    _created_gated(private, "unwritten")  # the gated pod, planned onto the only node
     [pod] = private.pods("gates", "unwritten")
     admission = kubernetes.client.AdmissionregistrationV1Api(private.core.api_client)
     policy, binding = _refuse_dropping_the_placement_of("unwritten")

@@ -44,7 +44,8 @@ def _gated_gang_with_a_node_filled_after_the_check(cluster: Cluster) -> tuple[li
     """Two 2-GPU nodes, a 2-pod gang placed on them; then a foreign pod takes node b and the gates go."""
     nodes = [cluster.add_node("g", gpus=2, name=n) for n in ("g-a", "g-b")]
     cluster.apply(JobBuilder("pair", NAMESPACE, "g").layout(data=4).gpus(2))
-    reconcile_passes(cluster, NAMESPACE, "pair")  # placed: gated pods pinned to g-a and g-b
+    # placed: gated pods pinned to g-a and g-b (the pass ends before it would lift the gates)
+    reconcile_passes(cluster, NAMESPACE, "pair", stop_before_gates=True)
     pods = cluster.pods(NAMESPACE, "pair")
     assert len(pods) == 2 and all(p.spec.scheduling_gates for p in pods)
     cluster.core.create_namespaced_pod(

@@ -22,8 +22,8 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Seq
 from typing import Any, Protocol, TypeVar
 
 from meshtrain.api import limits
-from meshtrain.operator.cluster import api_errors, device_cache, kube
-from meshtrain.operator.policy import capacity, devices, feasibility, naming
+from meshtrain.operator.cluster import api_errors, assumed, device_cache, kube
+from meshtrain.operator.policy import capacity, devices, feasibility, identity, naming
 
 logger = logging.getLogger("meshtrain.operator")
 
@@ -360,6 +360,10 @@ class Cache:
         """Node -> how many such pods."""
         self._usage_of: dict[str, feasibility.Usage] = {}
         """Node -> its usage as last asked for; dropped when a pod on the node changes."""
+        self.assumed = assumed.Assumed(self._charge_amounts)
+        """Pods of planned gangs charged to their nodes before they exist (:meth:`assume`)."""
+        self.waker: Waker = _Asleep()
+        """What :meth:`run` pokes (a released assumption frees capacity too)."""
         self.synced = asyncio.Event()
         """Set once every store holds a full list."""
         self._synced: set[str] = set()
@@ -405,6 +409,8 @@ class Cache:
             self._usage_of.pop(self._awaiting[pod].node, None)
 
     def _count(self, old: kube.Body | None, new: kube.Body | None) -> None:
+        if new is not None:
+            self.assumed.seen(_key(new))
         for pod, sign in ((old, -1), (new, 1)):
             if pod is not None:
                 self._charge(pod, self._node_of(pod), sign)
@@ -435,15 +441,31 @@ class Cache:
         return held
 
     def _charge(self, pod: kube.Body, node: str | None, sign: int) -> None:
-        if not node:
-            return
+        if node:
+            self._charge_amounts(node, _charged(pod, bool(self._devices)), sign)
+
+    def _charge_amounts(self, node: str, amounts: Mapping[str, int], sign: int) -> None:
         requested = self._requested.get(node)
         if requested is None:
             requested = self._requested[node] = Counter()
-        for resource, amount in _charged(pod, bool(self._devices)).items():
+        for resource, amount in amounts.items():
             requested[resource] += sign * amount
         self._pods_on[node] += sign
         self._usage_of.pop(node, None)
+
+    def assume(self, job: str, pods: Iterable[kube.Body]) -> int:
+        """Charge ``pods`` of job ``job``, about to be created, to their planned nodes until each
+        appears here (``assumed``); a pod of a name the cache holds is not assumed."""
+        keyed = ((_key(p), identity.planned_node(p), p) for p in pods)
+        return self.assumed.assume(
+            job,
+            [
+                (key, node, _charged(p, bool(self._devices)))
+                for key, node, p in keyed
+                if node and self.pods.get(key) is None
+            ],
+            time.monotonic(),
+        )
 
     def _job_changed(self, old: kube.Body | None, new: kube.Body | None) -> None:
         """A job that became live or stopped being live (or a namesake with another UID), or whose
@@ -469,6 +491,7 @@ class Cache:
         change of its pods, so a placement on 10,000 nodes and 100,000 pods adds nothing
         up, and the check of a gang's planned nodes reads only those.
         """
+        self.assumed.expire(time.monotonic())
         left_out: dict[str, Counter[str]] = {}
         for pod in without:
             node = self._node_of(pod)
@@ -480,6 +503,7 @@ class Cache:
 
     def node_usage(self, node: str) -> feasibility.Usage | None:
         """What the pods on ``node`` take; None when no pod there holds anything."""
+        self.assumed.expire(time.monotonic())
         found = self._usage_of.get(node)
         if found is None:
             requested = self._requested.get(node)
@@ -530,7 +554,7 @@ class Cache:
         Also makes ``client`` report its writes to the cache; ``waker`` (None: none) is poked.
         """
         client.on_write = self.learn
-        waker = waker or _Asleep()
+        waker = self.waker = waker or _Asleep()
         watched: list[str | None] = [*namespaces] or [None]
         scopes = {f"trainingjobs in {n or 'all namespaces'}": n for n in watched}
         self._expected = {"pods", "nodes", *scopes, *self._devices}

@@ -84,6 +84,26 @@ REPLANS = prometheus_client.Counter(
     "that could admit it, or by its resync), by the job's namespace.",
     labelnames=("namespace",),
 )
+REPLAN_ADMISSIONS = prometheus_client.Counter(
+    "meshtrain_operator_replan_admissions",
+    "Wake-ups of a waiting job by a capacity change that could admit it (the wake-up rule's"
+    " admissions): what each re-plan should answer to.",
+)
+REPLANS_PER_ADMISSION = prometheus_client.Histogram(
+    "meshtrain_operator_replans_per_admission",
+    "Per job that stopped waiting: its plans while waiting per capacity change that could admit"
+    " it (plans / max(1, admissions)); above 1, it was planned again without such a change.",
+    buckets=(0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0),
+)
+REPLANS_PER_ADMISSION_MAX = prometheus_client.Gauge(
+    "meshtrain_operator_replans_per_admission_max",
+    "The most plans per admitting capacity change any waiting job reached in this replica"
+    " (counted at each plan; the target is 1 at most).",
+)
+ASSUMPTIONS_EXPIRED = prometheus_client.Counter(
+    "meshtrain_operator_assumed_pods_expired",
+    "Pods assumed on their planned node whose assumption ran out before the pod appeared.",
+)
 PLACEMENT_FAILURE_REASONS = (
     placement.INSUFFICIENT_GPUS,
     placement.TOPOLOGY_UNSATISFIABLE,
