@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Literal
 
 from meshtrain.api import layout as layout_mod
 
@@ -16,7 +17,8 @@ INSUFFICIENT_GPUS = "InsufficientGPUs"
 """Reason: the eligible nodes do not have enough free GPUs for the whole gang."""
 
 TOPOLOGY_UNSATISFIABLE = "TopologyUnsatisfiable"
-"""Reason: enough GPUs exist, but not inside one domain of a ``required`` level."""
+"""Reason: enough GPUs exist, but not inside one domain of a ``required`` level (for the job, or
+for each pipeline stage)."""
 
 NVLINK = "nvlink"
 """Level key of traffic between pods of one NVLink domain (the same node or clique)."""
@@ -62,7 +64,11 @@ class FabricLevel:
     label: str
     """Node label whose value names the domain at this level."""
     required: bool = False
-    """True: the whole job must fit in one domain of this level; False: only preferred."""
+    """True: the job (or each stage, see ``scope``) must fit in one domain of this level; False:
+    only preferred."""
+    scope: Literal["job", "stage"] = "job"
+    """What a required level keeps in one domain: ``job``, the whole gang; ``stage``, each
+    pipeline stage's run of pods (the gang may span domains)."""
     weight: float | None = None
     """Cost of one byte crossing this level; None takes the default (see ``topology.weights``)."""
 
@@ -103,6 +109,14 @@ class PlacementRequest:
             raise ValueError(problem)
         if min(self.dp_bytes_per_step, self.pp_bytes_per_step, self.cp_bytes_per_step) < 0:
             raise ValueError("bytes per step must be >= 0")
+        staged = [level.label for level in self.levels if level.scope == "stage"]
+        if any(level.scope == "stage" and not level.required for level in self.levels):
+            raise ValueError(f"levels {staged}: scope stage is for required levels only")
+        if staged and not self.stage_pods:
+            raise ValueError(
+                f"levels {staged} keep each stage in one domain, but a stage's ranks do not fill "
+                f"whole pods of {self.gpus_per_node} GPUs"
+            )
 
     @property
     def world_size(self) -> int:
@@ -113,6 +127,14 @@ class PlacementRequest:
     def pods(self) -> int:
         """Pods in the gang, one per node slot of ``gpus_per_node`` GPUs."""
         return self.layout.pods(self.gpus_per_node)
+
+    @property
+    def stage_pods(self) -> int:
+        """Pods of one pipeline stage (pods ``[k*stage_pods, (k+1)*stage_pods)`` are stage k);
+        0 when stages share pods."""
+        grid = self.layout
+        ranks = grid.data * grid.context * grid.tensor
+        return ranks // self.gpus_per_node if ranks % self.gpus_per_node == 0 else 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,7 +41,9 @@ def request_from_spec(job: api_spec.TrainingJobSpec) -> values.PlacementRequest:
         cp_bytes_per_step=context.placement_bytes(job, scheme),
         nvlink_domain_label=nvlink_domain_label(job),
         levels=tuple(
-            values.FabricLevel(label=level.label, required=level.mode == "required")
+            values.FabricLevel(
+                label=level.label, required=level.mode == "required", scope=level.scope
+            )
             for level in job.topology.levels
         ),
         node_selector=dict(job.resources.node_selector),

@@ -21,7 +21,12 @@ class FabricLevel(base.SpecModel):
     )
     mode: Literal["required", "preferred"] = Field(
         "preferred",
-        description="required: the whole job must fit in one domain of this level; preferred: minimise traffic across it.",
+        description="required: the job (scope job) or each pipeline stage (scope stage) must fit in one domain of this level; preferred: minimise traffic across it.",
+    )
+    scope: Literal["job", "stage"] = Field(
+        "job",
+        description="What a required level keeps in one domain: job, the whole gang; stage, each pipeline "
+        "stage's pods (every data, context and tensor rank of one stage), the job spanning domains.",
     )
 
 
@@ -39,3 +44,27 @@ class Topology(base.SpecModel):
         max_length=8,
         description="Fabric levels from the top (block) down to the bottom (leaf/rack); empty detects the NVIDIA, GKE or AWS topology labels on the nodes.",
     )
+
+
+def _stage_scope_required(topology: Topology) -> str | None:
+    for index, level in enumerate(topology.levels):
+        if level.scope == "stage" and level.mode != "required":
+            return (
+                f"spec.topology.levels[{index}] ({level.label}) has scope stage with mode preferred: a "
+                "preference is weighed per byte whatever its scope, so scope applies to required levels "
+                "only; write mode: required to keep each pipeline stage in one domain of it, or drop scope"
+            )
+    return None
+
+
+RULES: tuple[base.Rule[Topology], ...] = (
+    base.Rule(
+        "stage-scope-required",
+        "spec.topology.levels",
+        "!has(self.topology.levels) || self.topology.levels.all(l, !has(l.scope) || l.scope != 'stage' "
+        "|| (has(l.mode) && l.mode == 'required'))",
+        "topology.levels[].scope stage needs mode required (a preferred level is weighed per byte whatever its scope)",
+        _stage_scope_required,
+    ),
+)
+"""Rules on the topology section alone."""

@@ -298,6 +298,19 @@ INVALID = [
         "should be greater than or equal to 1",
     ),
     (
+        "a stage-scoped level only preferred",
+        _valid().topology(levels=[{"label": "example.com/rack", "scope": "stage"}]).manifest(),
+        _rule("stage-scope-required"),
+    ),
+    (
+        "a stage-scoped level where stages share pods",
+        _valid()
+        .layout(data=1, pipeline=2, tensor=2, gpus_per_node=4)
+        .topology(levels=[{"label": "example.com/rack", "mode": "required", "scope": "stage"}])
+        .manifest(),
+        _rule("stage-scope-fills-pods"),
+    ),
+    (
         "name too long",
         _valid("x" * 41).manifest(),
         "metadata.name must be at most 40 characters",
