@@ -34,16 +34,17 @@ def plan(
         topology.weights(levels),
         node_is_domain=request.nvlink_domain_label is None,
     )
-    required = [i for i, level in enumerate(levels) if level.required and level.scope == "job"]
+    kept = request.constrained(levels)
+    required = [i for i, level in enumerate(kept) if level.required and level.scope == "job"]
     if required and fabric.root.maxcap[required[-1] + 1] < request.pods:
-        return _unsatisfiable(request, fabric, levels[required[-1]], required[-1] + 1)
+        return _unsatisfiable(request, fabric, kept[required[-1]], required[-1] + 1)
     root = fabric.root
-    staged = [i for i, level in enumerate(levels) if level.required and level.scope == "stage"]
+    staged = [i for i, level in enumerate(kept) if level.required and level.scope == "stage"]
     if staged:
         job_depth = required[-1] + 1 if required else 0
         found = stages.whole_stages(root, staged[-1] + 1, request.stage_pods)
         if found is None or found.maxcap[job_depth] < request.pods:
-            return stages.unsatisfiable(request, root, levels, staged[-1] + 1, job_depth)
+            return stages.unsatisfiable(request, root, kept, staged[-1] + 1, job_depth)
         root = found
 
     edges = fabric_cost.pod_traffic(request)

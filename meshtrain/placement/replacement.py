@@ -48,7 +48,7 @@ def replace(
     levels = request.levels or topology.detect_levels(known.values())
     label = request.nvlink_domain_label
     path = {name: topology.node_path(node, levels, label) for name, node in known.items()}
-    depth, stage_depth = _depths(levels)
+    depth, stage_depth = _depths(request.constrained(levels))
     where = {i: node for i, node in enumerate(placed) if i not in lost}
     anchor = next((path[n] for n in where.values() if n in path), None)
     if depth and anchor is None:
@@ -62,11 +62,13 @@ def replace(
     for index in sorted(lost):
         inside = [n for n in slots if anchor is None or path[n][:depth] == anchor[:depth]]
         if not inside:
-            return _none_left(request, index, slots, depth, levels)
+            return _none_left(request, index, slots, depth, request.constrained(levels))
         if stage_depth:
             inside = _in_stage_domain(request, index, inside, where, lost, slots, path, stage_depth)
             if not inside:
-                return _none_left(request, index, slots, stage_depth, levels, stage=True)
+                return _none_left(
+                    request, index, slots, stage_depth, request.constrained(levels), stage=True
+                )
         pool = [n for n in inside if n in spares] or inside
         best = min(pool, key=lambda n: (_cost(index, n, where, edges, path, weights), n))
         where[index] = chosen[index] = best
@@ -177,7 +179,7 @@ def spares(
     levels = request.levels or topology.detect_levels(known.values())
     label = request.nvlink_domain_label
     anchor = topology.node_path(known[placed[0]], levels, label)
-    depth, stage_depth = _depths(levels)
+    depth, stage_depth = _depths(request.constrained(levels))
     gang = set(placed)
     stage_domains = {
         topology.node_path(known[n], levels, label)[:stage_depth] for n in gang if n in known

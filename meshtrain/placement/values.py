@@ -100,6 +100,9 @@ class PlacementRequest:
     """Fabric levels, top (block) first; empty: detect a known label family on the nodes."""
     node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Labels a node must carry to host a pod of this job."""
+    nvlink_domain_level: FabricLevel | None = None
+    """What the NVLink domain itself requires (its label, required for the job or for each stage),
+    below every fabric level; None: it is only preferred, as always."""
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1:
@@ -109,8 +112,15 @@ class PlacementRequest:
             raise ValueError(problem)
         if min(self.dp_bytes_per_step, self.pp_bytes_per_step, self.cp_bytes_per_step) < 0:
             raise ValueError("bytes per step must be >= 0")
-        staged = [level.label for level in self.levels if level.scope == "stage"]
-        if any(level.scope == "stage" and not level.required for level in self.levels):
+        domain = self.nvlink_domain_level
+        if domain is not None and domain.label != self.nvlink_domain_label:
+            raise ValueError(
+                f"nvlink_domain_level {domain.label!r} is not the NVLink-domain label "
+                f"{self.nvlink_domain_label!r}"
+            )
+        every = (*self.levels, *((domain,) if domain is not None else ()))
+        staged = [level.label for level in every if level.scope == "stage"]
+        if any(level.scope == "stage" and not level.required for level in every):
             raise ValueError(f"levels {staged}: scope stage is for required levels only")
         if staged and not self.stage_pods:
             raise ValueError(
@@ -127,6 +137,13 @@ class PlacementRequest:
     def pods(self) -> int:
         """Pods in the gang, one per node slot of ``gpus_per_node`` GPUs."""
         return self.layout.pods(self.gpus_per_node)
+
+    def constrained(self, levels: tuple[FabricLevel, ...]) -> tuple[FabricLevel, ...]:
+        """``levels`` (the fabric levels planned with), then the NVLink domain's requirement if
+        any: level ``i`` of the answer is the tree's depth ``i + 1`` (the NVLink domain lies
+        below every fabric level)."""
+        domain = self.nvlink_domain_level
+        return levels if domain is None else (*levels, domain)
 
     @property
     def stage_pods(self) -> int:

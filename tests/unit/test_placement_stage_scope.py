@@ -21,7 +21,9 @@ from meshtrain.api import layout
 from meshtrain.placement import replacement
 
 BLOCK, RACK = "example.com/block", "example.com/rack"
+CLIQUE = "example.com/clique"
 LEVELS = (BLOCK, RACK)
+ALL = (*LEVELS, CLIQUE)
 CASES = 400
 
 
@@ -38,13 +40,18 @@ class Case:
 
 
 def draw(seed: int) -> Case:
+    """A small fleet (blocks, racks, sometimes NVLink cliques inside racks) and a job with one
+    level required per stage (a fabric level or the clique), sometimes another for the job."""
     rng = random.Random(seed)
     per_node = rng.choice([4, 8])
+    cliques = rng.random() < 0.4
     nodes, reservations = [], []
     for index in range(rng.randint(2, 7)):
         labels = {BLOCK: f"b{rng.randint(0, 1)}", RACK: f"r{rng.randint(0, 2)}"}
+        if cliques:
+            labels[CLIQUE] = f"c{rng.randint(0, 1)}"
         if rng.random() < 0.1:
-            labels.pop(rng.choice(LEVELS))
+            labels.pop(rng.choice(sorted(labels)))
         name = f"n{index}"
         nodes.append(placement.Node(name, 2 * per_node, labels, rng.random() < 0.1))
         taken = rng.choice([0, 0, 1, per_node, 2 * per_node])
@@ -59,29 +66,33 @@ def draw(seed: int) -> Case:
     )
     while grid.pods(per_node) > 6:
         grid = dataclasses.replace(grid, pipeline=grid.pipeline - 1)
-    stage_level = rng.randrange(len(LEVELS))
-    job_level = rng.choice([None, None, 1 - stage_level])  # the job required in the other level
-    levels = tuple(
+    depth = len(ALL) if cliques else len(LEVELS)
+    stage_level = rng.randrange(depth)
+    job_level = rng.choice([None, None, *(i for i in range(depth) if i != stage_level)])
+    every = [
         placement.FabricLevel(
             label,
             required=index in (stage_level, job_level),
             scope="stage" if index == stage_level else "job",
         )
-        for index, label in enumerate(LEVELS)
-    )
+        for index, label in enumerate(ALL[:depth])
+    ]
     request = placement.PlacementRequest(
         gpus_per_node=per_node,
         layout=grid,
         dp_bytes_per_step=rng.choice([1e6, 1e9]),
         pp_bytes_per_step=rng.choice([1e6, 1e9]),
-        levels=levels,
+        levels=tuple(every[: len(LEVELS)]),
+        nvlink_domain_label=CLIQUE if cliques else None,
+        nvlink_domain_level=every[len(LEVELS)] if cliques else None,
     )
     return Case(seed, tuple(nodes), tuple(reservations), request)
 
 
 def _domain(node: placement.Node, depth: int) -> tuple[str, ...]:
-    """The node's domain at fabric depth ``depth`` (1 = block); a missing label is the node alone."""
-    return tuple(node.labels.get(label, f"<{node.name}>") for label in LEVELS[:depth])
+    """The node's domain at depth ``depth`` (1 = block, 2 = rack, 3 = clique); a missing label
+    is the node alone at that level."""
+    return tuple(node.labels.get(label, f"<{node.name}>") for label in ALL[:depth])
 
 
 def _free(case: Case) -> dict[str, int]:
@@ -96,8 +107,11 @@ def _free(case: Case) -> dict[str, int]:
 
 def _constraints(request: placement.PlacementRequest) -> tuple[list[int], list[int]]:
     """Depths (1 = block) that each stage / the whole job must share one domain of."""
-    stage = [i + 1 for i, lv in enumerate(request.levels) if lv.required and lv.scope == "stage"]
-    job = [i + 1 for i, lv in enumerate(request.levels) if lv.required and lv.scope == "job"]
+    every = [*request.levels]
+    if request.nvlink_domain_level is not None:
+        every.append(request.nvlink_domain_level)
+    stage = [i + 1 for i, lv in enumerate(every) if lv.required and lv.scope == "stage"]
+    job = [i + 1 for i, lv in enumerate(every) if lv.required and lv.scope == "job"]
     return stage, job
 
 

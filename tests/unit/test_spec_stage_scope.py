@@ -84,3 +84,18 @@ def test_validate_prints_both_problems(tmp_path):
     assert result.returncode == 2, result.stdout
     assert result.stderr.count("spec.topology.levels") >= 2, result.stderr
     assert "mode: required" in result.stderr and "use scope job" in result.stderr
+
+
+def test_a_level_naming_the_nvlink_domain_is_its_requirement_not_a_fabric_level():
+    clique = "nvidia.com/gpu.clique"
+    levels = [{"label": RACK}, {"label": clique, "mode": "required", "scope": "stage"}]
+    builder = _job({}).topology(nvlinkDomainLabel=clique, levels=levels)
+    request = placement_request.request_from_spec(loading.parse_spec(builder.raw()))
+    assert [level.label for level in request.levels] == [RACK]
+    assert request.nvlink_domain_level is not None
+    assert (request.nvlink_domain_level.label, request.nvlink_domain_level.scope) == (
+        clique,
+        "stage",
+    )
+    (problem,) = _problems(builder.topology(levels=levels[::-1]))
+    assert problem.path == "spec.topology.levels" and "as the last level" in problem.message

@@ -42,7 +42,8 @@ class Topology(base.SpecModel):
     levels: list[FabricLevel] = Field(
         default_factory=list,
         max_length=8,
-        description="Fabric levels from the top (block) down to the bottom (leaf/rack); empty detects the NVIDIA, GKE or AWS topology labels on the nodes.",
+        description="Fabric levels from the top (block) down to the bottom (leaf/rack); empty detects the NVIDIA, GKE or AWS topology labels on the nodes. "
+        "The last may name nvlinkDomainLabel: what the NVLink domain itself requires (mode, scope).",
     )
 
 
@@ -57,7 +58,30 @@ def _stage_scope_required(topology: Topology) -> str | None:
     return None
 
 
+def _nvlink_domain_level_last(topology: Topology) -> str | None:
+    label = topology.nvlink_domain_label
+    named = [i for i, level in enumerate(topology.levels) if level.label == label]
+    if named and named != [len(topology.levels) - 1]:
+        return (
+            f"spec.topology.levels[{named[0]}] names the NVLink-domain label {label} (nvlinkDomainLabel), "
+            "which lies below every fabric level: list it once, as the last level (it then says what "
+            "the NVLink domain requires: mode required, for the job or with scope stage for each stage)"
+        )
+    return None
+
+
 RULES: tuple[base.Rule[Topology], ...] = (
+    base.Rule(
+        "nvlink-domain-level-last",
+        "spec.topology.levels",
+        "!has(self.topology.nvlinkDomainLabel) || !has(self.topology.levels) "
+        "|| !self.topology.levels.exists(l, l.label == self.topology.nvlinkDomainLabel) "
+        "|| (self.topology.levels.exists_one(l, l.label == self.topology.nvlinkDomainLabel) "
+        "&& self.topology.levels[size(self.topology.levels) - 1].label == self.topology.nvlinkDomainLabel)",
+        "topology.levels may name topology.nvlinkDomainLabel once, as the last level (the NVLink domain "
+        "lies below every fabric level)",
+        _nvlink_domain_level_last,
+    ),
     base.Rule(
         "stage-scope-required",
         "spec.topology.levels",

@@ -311,6 +311,16 @@ INVALID = [
         _rule("stage-scope-fills-pods"),
     ),
     (
+        "the NVLink-domain label above a fabric level",
+        _valid()
+        .topology(
+            nvlinkDomainLabel="nvidia.com/gpu.clique",
+            levels=[{"label": "nvidia.com/gpu.clique"}, {"label": "example.com/rack"}],
+        )
+        .manifest(),
+        _rule("nvlink-domain-level-last"),
+    ),
+    (
         "name too long",
         _valid("x" * 41).manifest(),
         "metadata.name must be at most 40 characters",
