@@ -309,3 +309,13 @@ def _legal_beside(case: Case, nodes: Sequence[str], lost: set[int], free: dict[s
             if len({_domain(by_name[n], depth) for n in nodes[k : k + size]}) != 1:
                 return False
     return all(len({_domain(by_name[n], d) for n in nodes}) == 1 for d in job_depths)
+
+
+def test_spares_lie_in_the_domains_of_the_gang_s_stages() -> None:
+    fleet = _rack_fleet([3, 3, 3])
+    placed = ["r0-n0", "r0-n1", "r1-n0", "r1-n1"]  # two stages of two pods, one per rack
+    free = {node.name: 1 for node in fleet if node.name not in placed}
+    spares = replacement.spares(_request(2, 2, "stage"), placed, fleet, free, 4)
+    assert set(spares) == {"r0-n2", "r1-n2"}
+    anywhere = replacement.spares(_request(2, 2, "preferred"), placed, fleet, free, 4)
+    assert {name.split("-")[0] for name in anywhere} >= {"r2"}
