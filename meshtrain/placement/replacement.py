@@ -3,9 +3,9 @@
 :func:`replace` keeps every surviving pod where it is and picks a node for each lost pod index:
 only a node that shares the survivors' domain at every ``required`` fabric level may take it (the
 gang's plan required one domain there), and at a level required per stage only a node in the
-domain of the lost pod's stage (a whole stage lost: a domain with room for it); among those, a spare node reserved for the job comes
-first, then the node whose traffic to the surviving pods costs least by the fabric cost model
-(:mod:`.fabric_cost`).  :func:`spares` picks the nodes a running gang keeps in reserve for
+domain of the lost pod's stage (a whole stage lost: a domain with room for it); among those, a
+spare node reserved for the job comes first, then the node whose traffic to the surviving pods
+costs least by the fabric cost model (:mod:`.fabric_cost`).  :func:`spares` picks the nodes a running gang keeps in reserve for
 that.  Pure and deterministic, like :func:`meshtrain.placement.plan`.
 """
 
