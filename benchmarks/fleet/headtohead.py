@@ -7,7 +7,10 @@ lease-less nodes), one KWOK fleet, one trace (benchmarks/fleet/trace.py, its see
 Phase 1 runs the meshtrain operator and applies each TrainingJob at its arrival time; every job,
 pod and the operator are then removed; phase 2 runs Kueue with its batch/job integration and a
 Topology of the fleet's labels (block, rack, NVLink domain, host) and creates each job as the
-batch Job :mod:`.kueue_tas` makes of it, at the same arrival times.  Each phase runs for the
+batch Job :mod:`.kueue_tas` makes of it, at the same arrival times.  Both sides get the same
+constraints (:func:`.kueue_tas.constraints`): a stage required in a domain is Kueue's PodSet slice
+and meshtrain's ``scope: stage`` level there (``--all-preferred``: meshtrain's levels all
+preferred, as in the runs before that field).  Each phase runs for the
 trace's minutes plus a drain.  Per job: bytes per step by fabric level on the nodes its pods were
 bound to (:mod:`.compare`, the placement's cost model), time to start; per phase: utilisation.
 
@@ -17,7 +20,7 @@ side, without the restart): the Kueue side never pays a re-placement.
 
     python -m benchmarks.fleet.headtohead [--nodes 256] [--nodes-per-rack 8]
         [--racks-per-block 4] [--nodes-per-clique 4] [--minutes 8] [--drain-minutes 2]
-        [--compression 60] [--load 1.1] [--seed 36]
+        [--compression 60] [--load 1.1] [--seed 36] [--all-preferred]
 
 Needs the full bootstrap's ``kwok`` and Kueue (``make bootstrap``); ``make bench-headtohead`` runs
 it, never CI.  Writes ``benchmarks/results/headtohead-<host>.json``.
@@ -153,8 +156,20 @@ def _spec(job: trace.Job) -> api_spec.TrainingJobSpec:
     return loading.parse_spec(job.spec(), job.name)
 
 
-def _meshtrain(api: kubernetes.client.ApiClient, plane: Any, jobs: list[trace.Job], shape: kwok.Shape, seconds: float, workdir: pathlib.Path) -> dict[str, Any]:  # fmt: skip
-    """Phase 1: the operator places the trace's TrainingJobs; then every job and pod is removed."""
+def same_levels(jobs: list[trace.Job], shape: kwok.Shape) -> dict[str, list[dict[str, str]]]:
+    """Each job's ``spec.topology.levels`` with the constraints Kueue's side gets
+    (:func:`.kueue_tas.constraints`, on the fleet's smallest domains)."""
+    sizes = domain_gpus(shape)
+    found = {}
+    for job in jobs:
+        spec = _spec(job)
+        found[job.name] = kueue_tas.meshtrain_levels(spec, kueue_tas.fabric_for(spec, sizes))
+    return found
+
+
+def _meshtrain(api: kubernetes.client.ApiClient, plane: Any, jobs: list[trace.Job], shape: kwok.Shape, seconds: float, workdir: pathlib.Path, levels: Mapping[str, list[dict[str, str]]]) -> dict[str, Any]:  # fmt: skip
+    """Phase 1: the operator places the trace's TrainingJobs (``levels``: a job's
+    ``spec.topology.levels`` where not all preferred); then every job and pod is removed."""
     custom = kubernetes.client.CustomObjectsApi(api)
     log = workdir / "operator.log"
     process, _ = bench_operator._start_operator(
@@ -166,7 +181,7 @@ def _meshtrain(api: kubernetes.client.ApiClient, plane: Any, jobs: list[trace.Jo
 
         def submit(job: trace.Job) -> None:
             custom.create_namespaced_custom_object(
-                bench_operator.GROUP, bench_operator.VERSION, trace.NAMESPACE, bench_operator.PLURAL, job.manifest()
+                bench_operator.GROUP, bench_operator.VERSION, trace.NAMESPACE, bench_operator.PLURAL, job.manifest(levels.get(job.name))
             )  # fmt: skip
 
         # Ready as Kueue is when its phase starts: caches filled, the planning worker (started
@@ -272,6 +287,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "load": args.load,
             "jobs": len(jobs),
             "failing_jobs": sum(j.fail_after is not None for j in jobs),
+            "meshtrain_constraints": "all preferred"
+            if args.all_preferred
+            else "the same as Kueue's",
         },  # fmt: skip
         "fleet": {
             "nodes": shape.nodes,
@@ -299,7 +317,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stack.enter_context(kwok.Kwok(plane.kubeconfig_path, workdir))
         asyncio.run(kwok.create_nodes(plane.kubeconfig_path, shape))
         print(f"meshtrain: {len(jobs)} jobs over {args.minutes} min + {args.drain_minutes} min drain", flush=True)  # fmt: skip
-        phases = {"meshtrain": _meshtrain(api, plane, jobs, shape, seconds, workdir)}
+        levels = {} if args.all_preferred else same_levels(jobs, shape)
+        phases = {"meshtrain": _meshtrain(api, plane, jobs, shape, seconds, workdir, levels)}
         _clear(api)
         print("kueue TAS: the same jobs", flush=True)
         phases["kueue"] = _kueue(api, plane, jobs, shape, seconds, workdir)
@@ -380,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compression", type=float, default=60.0)
     parser.add_argument("--load", type=float, default=1.1)
     parser.add_argument("--seed", type=int, default=36)
+    parser.add_argument(
+        "--all-preferred",
+        action="store_true",
+        help="meshtrain's jobs declare every level preferred (the runs before spec.topology's scope), "
+        "not the constraints Kueue's side gets",
+    )
     parser.add_argument(
         "--name", default="headtohead", help="results file name (<name>-<host>.json)"
     )

@@ -8,7 +8,8 @@ tensor groups never leave a pod, so each pipeline stage's pods are a PodSet slic
 one domain of the lowest level (NVLink domain where domains span nodes, rack, block, ...) whose
 smallest domain holds a stage; the job as a whole prefers that level (Kueue climbs from there),
 or the lowest where no domain holds a stage.  A one-stage job is a single slice: the whole PodSet is required there instead;
-a stage of one pod needs no slice.
+a stage of one pod needs no slice.  :func:`constraints` makes that choice once; :func:`meshtrain_levels`
+gives meshtrain's TrainingJob the same (``spec.topology.levels[].scope: stage`` for the slice).
 """
 
 from __future__ import annotations
@@ -59,26 +60,69 @@ def fabric_for(job: api_spec.TrainingJobSpec, domain_gpus: Mapping[str, int]) ->
     )
 
 
-def annotations(job: api_spec.TrainingJobSpec, fabric: Fabric) -> dict[str, str]:
-    """The pod template's TAS annotations for ``job`` on ``fabric`` (see the module docstring)."""
+@dataclasses.dataclass(frozen=True)
+class Constraints:
+    """What a job asks of the fabric, the one choice both sides of the head to head are given."""
+
+    preferred: str | None
+    """The level the whole job prefers (Kueue's pod set level when nothing is required)."""
+    required: str | None
+    """The level the whole job is required in (a one-stage job's), else None."""
+    stage: str | None
+    """The level each pipeline stage is required in (Kueue's PodSet slice level), else None."""
+    stage_pods: int
+    """Pods of one stage (Kueue's slice size); 0 when stages share pods."""
+
+
+def constraints(job: api_spec.TrainingJobSpec, fabric: Fabric) -> Constraints:
+    """The constraints of ``job`` on ``fabric`` (see the module docstring): the source of truth of
+    both :func:`annotations` (Kueue's side) and :func:`meshtrain_levels` (meshtrain's)."""
     grid, per_pod = job.parallelism.layout, job.resources.gpus_per_node
     stage_gpus = grid.world_size // grid.pipeline
+    stage_pods = stage_gpus // per_pod if stage_gpus % per_pod == 0 else 0
     candidates = fabric.stage_levels
     fits = [label for label in candidates if fabric.domain_gpus[label] >= stage_gpus]
     lowest = candidates[-1] if candidates else HOSTNAME
-    if stage_gpus % per_pod or not fits:  # stages share pods, or none fits a domain: prefer
-        return {PREFERRED: lowest}
-    stage_level, stage_pods = fits[-1], stage_gpus // per_pod
+    if not stage_pods or not fits:  # stages share pods, or none fits a domain: prefer
+        return Constraints(lowest, None, None, stage_pods)
+    stage_level = fits[-1]
     if grid.pipeline == 1:
-        return {REQUIRED: stage_level}
+        return Constraints(None, stage_level, None, stage_pods)
     if stage_pods == 1:  # a stage on one pod is never split: a slice of one asks nothing
-        return {PREFERRED: stage_level}
+        return Constraints(stage_level, None, None, stage_pods)
     # Kueue refuses a slice level above the PodSet's, so the job prefers the stage's level
-    return {
-        PREFERRED: stage_level,
-        SLICE_REQUIRED: stage_level,
-        SLICE_SIZE: str(stage_pods),
-    }
+    return Constraints(stage_level, None, stage_level, stage_pods)
+
+
+def annotations(job: api_spec.TrainingJobSpec, fabric: Fabric) -> dict[str, str]:
+    """The pod template's TAS annotations for ``job`` on ``fabric``: its :func:`constraints`."""
+    found = constraints(job, fabric)
+    if found.required is not None:
+        return {REQUIRED: found.required}
+    asked = {PREFERRED: found.preferred or HOSTNAME}
+    if found.stage is not None:
+        asked |= {SLICE_REQUIRED: found.stage, SLICE_SIZE: str(found.stage_pods)}
+    return asked
+
+
+def meshtrain_levels(job: api_spec.TrainingJobSpec, fabric: Fabric) -> list[dict[str, str]]:
+    """``spec.topology.levels`` giving meshtrain the same :func:`constraints` as Kueue: the job's
+    fabric levels (all preferred, as meshtrain weighs every level), the one the job or each stage
+    is required in made ``mode: required`` (``scope: stage`` for a stage), the NVLink-domain label
+    appended last when that is the level."""
+    found = constraints(job, fabric)
+    kept = {found.required: "job", found.stage: "stage"}
+    kept.pop(None, None)
+    levels: list[dict[str, str]] = []
+    for level in job.topology.levels:
+        levels.append({"label": level.label})
+    domain = job.topology.nvlink_domain_label
+    if domain is not None and domain in kept:
+        levels.append({"label": domain})
+    for level in levels:
+        if level["label"] in kept:
+            level |= {"mode": "required", "scope": kept[level["label"]]}
+    return levels
 
 
 def batch_job(

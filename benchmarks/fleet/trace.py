@@ -54,6 +54,8 @@ FAILURES_PER_NODE_DAY = 419 / (16_384 / kwok.GPUS_PER_NODE) / 54
 MODEL = "1.3b"
 """The model every job trains (its size matters to the operator's memory admission only)."""
 NAMESPACE = "fleet"
+LEVELS = ({"label": kwok.BLOCK_LABEL}, {"label": kwok.RACK_LABEL})
+"""The fleet's fabric levels as ``spec.topology.levels``, each preferred."""
 HELD_SECONDS = 30 * 24 * 3600.0
 """How long the pods of :func:`held` run: longer than any run."""
 
@@ -82,26 +84,27 @@ class Job:
         pipeline = min(4, self.pods)
         return {"tensor": kwok.GPUS_PER_NODE, "pipeline": pipeline, "data": self.pods // pipeline}
 
-    def spec(self) -> dict[str, Any]:
-        """The TrainingJob spec: the layout, the fleet's topology labels, KWOK's lifecycle annotations."""
+    def spec(self, levels: list[dict[str, str]] | None = None) -> dict[str, Any]:
+        """The TrainingJob spec: the layout, the fleet's topology labels (every level preferred,
+        unless ``levels`` says otherwise), KWOK's lifecycle annotations."""
         builder = (
             JobBuilder(self.name, NAMESPACE)
             .layout(**self.layout(), gpus_per_node=kwok.GPUS_PER_NODE)
             .model(preset=MODEL)
             .topology(
                 nvlinkDomainLabel=kwok.CLIQUE_LABEL,
-                levels=[{"label": kwok.BLOCK_LABEL}, {"label": kwok.RACK_LABEL}],
+                levels=levels or [dict(level) for level in LEVELS],
             )
             .pod(annotations=kwok.lifecycle_annotations(self.run_seconds, self.fail_after))
         )
         return builder.raw()
 
-    def manifest(self) -> dict[str, Any]:
+    def manifest(self, levels: list[dict[str, str]] | None = None) -> dict[str, Any]:
         return {
             "apiVersion": f"{api_spec.API_GROUP}/{api_spec.API_VERSION}",
             "kind": api_spec.KIND,
             "metadata": {"name": self.name, "namespace": NAMESPACE},
-            "spec": self.spec(),
+            "spec": self.spec(levels),
         }
 
 

@@ -26,9 +26,13 @@ class Size:
 
 
 def _runnable(spec: TrainingJobSpec, data: int) -> bool:
-    """Whether a gang of ``data`` replicas fills whole pods and has peers for its gradient compression."""
+    """Whether a gang of ``data`` replicas fills whole pods (each stage too, under a stage-scoped
+    ``spec.topology`` level) and has peers for its gradient compression."""
     par = spec.parallelism.model_copy(update={"data": data})
-    return par.layout.fills_pods(spec.resources.gpus_per_node) and par.compression_has_peers
+    per = spec.resources.gpus_per_node
+    staged = any(level.scope == "stage" for level in spec.topology.levels)
+    whole_stages = not staged or (data * par.context * par.tensor) % per == 0
+    return par.layout.fills_pods(per) and whole_stages and par.compression_has_peers
 
 
 def size_at(spec: TrainingJobSpec, data: int) -> Size | None:
@@ -132,10 +136,13 @@ def _min_keeps_batch(spec: TrainingJobSpec) -> str | None:
     if smallest is None or not smallest.keeps_global_batch:
         par = spec.parallelism
         step = " x pipeline" if par.schedule == "interleaved-1f1b" else ""
+        staged = any(level.scope == "stage" for level in spec.topology.levels)
+        stage = " (and minData x context x tensor, a stage, under a topology level of scope stage)"
         return (
             f"elastic.minData={bounds.min_data} cannot keep the global batch {spec.global_batch}: it must be "
             f"divisible by microBatch={spec.training.micro_batch} x minData{step}, minData x pipeline x tensor a "
-            f"multiple of gpusPerNode={spec.resources.gpus_per_node} (and minData >= 2 with gradientCompression): "
+            f"multiple of gpusPerNode={spec.resources.gpus_per_node}{stage if staged else ''} (and minData >= 2 "
+            "with gradientCompression): "
             f"pick a minData that divides microBatches x data = {par.micro_batches * par.data}"
         )
     return None

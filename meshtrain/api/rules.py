@@ -28,6 +28,7 @@ from meshtrain.api.spec import (
     pod_template,
     resources,
     run_policy,
+    topology,
     trainer,
     training,
 )
@@ -63,6 +64,7 @@ RULES: tuple[base.Rule[TrainingJobSpec], ...] = (
     *(rule.within(lambda spec: spec.run_policy) for rule in run_policy.RULES),
     *(rule.within(lambda spec: spec.trainer) for rule in trainer.RULES),
     *(rule.within(lambda spec: spec.pod) for rule in pod.RULES),
+    *(rule.within(lambda spec: spec.topology) for rule in topology.RULES),
     *(rule.within(lambda spec: spec.pod_template_override.metadata) for rule in pod_template.RULES),
     *QUANTITY_RULES,
 )

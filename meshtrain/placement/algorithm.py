@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 
-from meshtrain.placement import fabric_cost, topology, values
+from meshtrain.placement import fabric_cost, stages, topology, values
 
 
 def plan(
@@ -34,15 +34,24 @@ def plan(
         topology.weights(levels),
         node_is_domain=request.nvlink_domain_label is None,
     )
-    required = [index for index, level in enumerate(levels) if level.required]
+    kept = request.constrained(levels)
+    required = [i for i, level in enumerate(kept) if level.required and level.scope == "job"]
     if required and fabric.root.maxcap[required[-1] + 1] < request.pods:
-        return _unsatisfiable(request, fabric, levels[required[-1]], required[-1] + 1)
+        return _unsatisfiable(request, fabric, kept[required[-1]], required[-1] + 1)
+    root = fabric.root
+    staged = [i for i, level in enumerate(kept) if level.required and level.scope == "stage"]
+    if staged:
+        job_depth = required[-1] + 1 if required else 0
+        found = stages.whole_stages(root, staged[-1] + 1, request.stage_pods)
+        if found is None or found.maxcap[job_depth] < request.pods:
+            return stages.unsatisfiable(request, root, kept, staged[-1] + 1, job_depth)
+        root = found
 
     edges = fabric_cost.pod_traffic(request)
     best: values.Placement | None = None
-    for order, unit in _orders(request):
+    for order, unit in _orders(request, stage_major_only=bool(staged)):
         assignment: list[str] = [""] * request.pods
-        _fill(fabric.root, order, 0, request.pods, unit, assignment)
+        _fill(root, order, 0, request.pods, unit, assignment)
         candidate = fabric_cost.priced(
             assignment, edges, fabric.paths, fabric.keys, fabric.weights, levels
         )
@@ -157,7 +166,9 @@ def _unsatisfiable(
     return values.Unschedulable(reason=values.TOPOLOGY_UNSATISFIABLE, message=message)
 
 
-def _orders(request: values.PlacementRequest) -> list[tuple[list[int], int]]:
+def _orders(
+    request: values.PlacementRequest, stage_major_only: bool = False
+) -> list[tuple[list[int], int]]:
     """Pod orders to lay along the tree, each with its alignment unit (in pods).
 
     Stage-major is pod index order; its unit is the smallest run of pods that
@@ -168,7 +179,8 @@ def _orders(request: values.PlacementRequest) -> list[tuple[list[int], int]]:
     :func:`plan` keeps the one with the lower modelled cost.  Where a context group spans pods
     (``tensor x context`` a multiple of ``gpusPerNode``), stage-major is also tried with one
     context group as its unit, so a stage that no domain holds is cut between context rings
-    rather than through one.
+    rather than through one.  ``stage_major_only`` (a level required per stage) leaves out
+    column-major, which would lay a stage's pods apart.
     """
     pods, grid = request.pods, request.layout
     per_stage = grid.data * grid.context * grid.tensor
@@ -180,8 +192,10 @@ def _orders(request: values.PlacementRequest) -> list[tuple[list[int], int]]:
         if 1 < ring_pods < unit:
             orders.append((list(range(pods)), ring_pods))
     if per_stage % request.gpus_per_node == 0 and unit > 1 and grid.pipeline > 1:
-        stages = grid.pipeline
-        orders.append(([(q % stages) * unit + q // stages for q in range(pods)], stages))
+        if stage_major_only:
+            return orders
+        count = grid.pipeline
+        orders.append(([(q % count) * unit + q // count for q in range(pods)], count))
     return orders
 
 
@@ -215,7 +229,7 @@ def _split(
     if fitting:
         return [(choose(fitting, start, count, unit), start, count)]
     pool = sorted(domain.children, key=lambda child: -child.cap)
-    spare = domain.cap
+    spare = sum(child.cap for child in pool)  # domain.cap, or more where whole stages cut it
     position, end = start, start + count
     parts: list[tuple[topology.Domain, int, int]] = []
     for index, child in enumerate(pool):

@@ -2,9 +2,10 @@
 
 :func:`replace` keeps every surviving pod where it is and picks a node for each lost pod index:
 only a node that shares the survivors' domain at every ``required`` fabric level may take it (the
-gang's plan required one domain there); among those, a spare node reserved for the job comes
-first, then the node whose traffic to the surviving pods costs least by the fabric cost model
-(:mod:`.fabric_cost`).  :func:`spares` picks the nodes a running gang keeps in reserve for
+gang's plan required one domain there), and at a level required per stage only a node in the
+domain of the lost pod's stage (a whole stage lost: a domain with room for it); among those, a
+spare node reserved for the job comes first, then the node whose traffic to the surviving pods
+costs least by the fabric cost model (:mod:`.fabric_cost`).  :func:`spares` picks the nodes a running gang keeps in reserve for
 that.  Pure and deterministic, like :func:`meshtrain.placement.plan`.
 """
 
@@ -47,8 +48,7 @@ def replace(
     levels = request.levels or topology.detect_levels(known.values())
     label = request.nvlink_domain_label
     path = {name: topology.node_path(node, levels, label) for name, node in known.items()}
-    required = [index for index, level in enumerate(levels) if level.required]
-    depth = required[-1] + 1 if required else 0
+    depth, stage_depth = _depths(request.constrained(levels))
     where = {i: node for i, node in enumerate(placed) if i not in lost}
     anchor = next((path[n] for n in where.values() if n in path), None)
     if depth and anchor is None:
@@ -62,7 +62,13 @@ def replace(
     for index in sorted(lost):
         inside = [n for n in slots if anchor is None or path[n][:depth] == anchor[:depth]]
         if not inside:
-            return _none_left(request, index, slots, depth, levels)
+            return _none_left(request, index, slots, depth, request.constrained(levels))
+        if stage_depth:
+            inside = _in_stage_domain(request, index, inside, where, lost, slots, path, stage_depth)
+            if not inside:
+                return _none_left(
+                    request, index, slots, stage_depth, request.constrained(levels), stage=True
+                )
         pool = [n for n in inside if n in spares] or inside
         best = min(pool, key=lambda n: (_cost(index, n, where, edges, path, weights), n))
         where[index] = chosen[index] = best
@@ -92,14 +98,48 @@ def _cost(
     return total
 
 
+def _depths(levels: Sequence[values.FabricLevel]) -> tuple[int, int]:
+    """Depth (level index + 1; 0: none) of the lowest required level for the job, and for each stage."""
+    job = [i + 1 for i, level in enumerate(levels) if level.required and level.scope == "job"]
+    stage = [i + 1 for i, level in enumerate(levels) if level.required and level.scope == "stage"]
+    return (job[-1] if job else 0), (stage[-1] if stage else 0)
+
+
+def _in_stage_domain(
+    request: values.PlacementRequest,
+    index: int,
+    candidates: Sequence[str],
+    where: Mapping[int, str],
+    lost: Collection[int],
+    slots: Mapping[str, int],
+    path: Mapping[str, tuple[str, ...]],
+    depth: int,
+) -> list[str]:
+    """The ``candidates`` that keep pod ``index`` in its stage's domain at ``depth``: the domain of
+    a placed pod of its stage, or (the whole stage lost) any domain with room for all of its
+    lost pods still unplaced."""
+    size = request.stage_pods
+    stage = range(index // size * size, (index // size + 1) * size)
+    anchor = next((path[where[i]] for i in stage if i in where and where[i] in path), None)
+    if anchor is not None:
+        return [n for n in candidates if path[n][:depth] == anchor[:depth]]
+    pending = sum(1 for i in stage if i in lost and i not in where)
+    room: dict[tuple[str, ...], int] = {}
+    for name in candidates:
+        room[path[name][:depth]] = room.get(path[name][:depth], 0) + slots[name]
+    return [n for n in candidates if room[path[n][:depth]] >= pending]
+
+
 def _none_left(
     request: values.PlacementRequest,
     index: int,
     slots: Mapping[str, int],
     depth: int,
     levels: Sequence[values.FabricLevel],
+    stage: bool = False,
 ) -> values.Unschedulable:
-    """Why pod ``index`` has nowhere to go: no free slot at all, or none inside the required domain."""
+    """Why pod ``index`` has nowhere to go: no free slot at all, or none inside the required domain
+    (the surviving pods', or with ``stage`` its pipeline stage's)."""
     per = request.gpus_per_node
     if not slots:
         return values.Unschedulable(
@@ -107,10 +147,16 @@ def _none_left(
             f"no node has {per} free GPUs for the replacement of pod {index}",
         )
     level = levels[depth - 1].label
+    whose = (
+        f"its pipeline stage's {level} domain (required per stage, stages of "
+        f"{request.stage_pods} pods)"
+        if stage
+        else f"the surviving pods' {level} domain (required)"
+    )
     return values.Unschedulable(
         values.TOPOLOGY_UNSATISFIABLE,
-        f"pod {index} must stay in the surviving pods' {level} domain (required), which has no "
-        f"node with {per} free GPUs; {sum(slots.values())} free pod slot(s) elsewhere",
+        f"pod {index} must stay in {whose}, which has no node with {per} free GPUs; "
+        f"{sum(slots.values())} free pod slot(s) elsewhere",
     )
 
 
@@ -125,7 +171,7 @@ def spares(
 
     Each is a node with a free pod slot that hosts no pod of the gang (a node lost takes its own
     spare with it), inside the gang's domain at every required level (where a replacement may
-    go), nearest pod 0's node in the fabric first (the deepest level they share), then by name.
+    go; at a level required per stage, inside one of its stages' domains), nearest pod 0's node in the fabric first (the deepest level they share), then by name.
     """
     known = {node.name: node for node in nodes}
     if not placed or placed[0] not in known:
@@ -133,14 +179,16 @@ def spares(
     levels = request.levels or topology.detect_levels(known.values())
     label = request.nvlink_domain_label
     anchor = topology.node_path(known[placed[0]], levels, label)
-    required = [index for index, level in enumerate(levels) if level.required]
-    depth = required[-1] + 1 if required else 0
+    depth, stage_depth = _depths(request.constrained(levels))
     gang = set(placed)
+    stage_domains = {
+        topology.node_path(known[n], levels, label)[:stage_depth] for n in gang if n in known
+    }
     ranked = []
     for name, slots in free.items():
         if slots < 1 or name in gang or name not in known:
             continue
         path = topology.node_path(known[name], levels, label)
-        if path[:depth] == anchor[:depth]:
+        if path[:depth] == anchor[:depth] and path[:stage_depth] in stage_domains:
             ranked.append((-topology.crossing(path, anchor), name))
     return tuple(name for _, name in sorted(ranked)[: max(count, 0)])

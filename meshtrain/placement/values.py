@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Literal
 
 from meshtrain.api import layout as layout_mod
 
@@ -16,7 +17,8 @@ INSUFFICIENT_GPUS = "InsufficientGPUs"
 """Reason: the eligible nodes do not have enough free GPUs for the whole gang."""
 
 TOPOLOGY_UNSATISFIABLE = "TopologyUnsatisfiable"
-"""Reason: enough GPUs exist, but not inside one domain of a ``required`` level."""
+"""Reason: enough GPUs exist, but not inside one domain of a ``required`` level (for the job, or
+for each pipeline stage)."""
 
 NVLINK = "nvlink"
 """Level key of traffic between pods of one NVLink domain (the same node or clique)."""
@@ -62,7 +64,11 @@ class FabricLevel:
     label: str
     """Node label whose value names the domain at this level."""
     required: bool = False
-    """True: the whole job must fit in one domain of this level; False: only preferred."""
+    """True: the job (or each stage, see ``scope``) must fit in one domain of this level; False:
+    only preferred."""
+    scope: Literal["job", "stage"] = "job"
+    """What a required level keeps in one domain: ``job``, the whole gang; ``stage``, each
+    pipeline stage's run of pods (the gang may span domains)."""
     weight: float | None = None
     """Cost of one byte crossing this level; None takes the default (see ``topology.weights``)."""
 
@@ -94,6 +100,9 @@ class PlacementRequest:
     """Fabric levels, top (block) first; empty: detect a known label family on the nodes."""
     node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Labels a node must carry to host a pod of this job."""
+    nvlink_domain_level: FabricLevel | None = None
+    """What the NVLink domain itself requires (its label, required for the job or for each stage),
+    below every fabric level; None: it is only preferred, as always."""
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1:
@@ -103,6 +112,21 @@ class PlacementRequest:
             raise ValueError(problem)
         if min(self.dp_bytes_per_step, self.pp_bytes_per_step, self.cp_bytes_per_step) < 0:
             raise ValueError("bytes per step must be >= 0")
+        domain = self.nvlink_domain_level
+        if domain is not None and domain.label != self.nvlink_domain_label:
+            raise ValueError(
+                f"nvlink_domain_level {domain.label!r} is not the NVLink-domain label "
+                f"{self.nvlink_domain_label!r}"
+            )
+        every = (*self.levels, *((domain,) if domain is not None else ()))
+        staged = [level.label for level in every if level.scope == "stage"]
+        if any(level.scope == "stage" and not level.required for level in every):
+            raise ValueError(f"levels {staged}: scope stage is for required levels only")
+        if staged and not self.stage_pods:
+            raise ValueError(
+                f"levels {staged} keep each stage in one domain, but a stage's ranks do not fill "
+                f"whole pods of {self.gpus_per_node} GPUs"
+            )
 
     @property
     def world_size(self) -> int:
@@ -113,6 +137,21 @@ class PlacementRequest:
     def pods(self) -> int:
         """Pods in the gang, one per node slot of ``gpus_per_node`` GPUs."""
         return self.layout.pods(self.gpus_per_node)
+
+    def constrained(self, levels: tuple[FabricLevel, ...]) -> tuple[FabricLevel, ...]:
+        """``levels`` (the fabric levels planned with), then the NVLink domain's requirement if
+        any: level ``i`` of the answer is the tree's depth ``i + 1`` (the NVLink domain lies
+        below every fabric level)."""
+        domain = self.nvlink_domain_level
+        return levels if domain is None else (*levels, domain)
+
+    @property
+    def stage_pods(self) -> int:
+        """Pods of one pipeline stage (pods ``[k*stage_pods, (k+1)*stage_pods)`` are stage k);
+        0 when stages share pods."""
+        grid = self.layout
+        ranks = grid.data * grid.context * grid.tensor
+        return ranks // self.gpus_per_node if ranks % self.gpus_per_node == 0 else 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,21 +28,25 @@ def request_from_spec(job: api_spec.TrainingJobSpec) -> values.PlacementRequest:
 
     Placement happens on a GPU cluster, so ``precision: auto`` is priced as bf16
     autocast (fp32 master weights and gradients, fp32 residual stream between
-    stages), which is how the trainer runs there.
+    stages), which is how the trainer runs there.  A ``spec.topology.levels`` entry naming the
+    NVLink-domain label is no fabric level: it says what the NVLink domain requires.
     """
     trained_in = "fp32" if job.training.precision == "fp32" else "bf16"
     scheme = precision.scheme_for(trained_in)
     dp_bytes, pp_bytes = comm.placement_traffic(job, scheme)
+    domain = nvlink_domain_label(job)
+    levels = [
+        values.FabricLevel(label=level.label, required=level.mode == "required", scope=level.scope)
+        for level in job.topology.levels
+    ]
     return values.PlacementRequest(
         gpus_per_node=job.resources.gpus_per_node,
         layout=job.parallelism.layout,
         dp_bytes_per_step=dp_bytes,
         pp_bytes_per_step=pp_bytes,
         cp_bytes_per_step=context.placement_bytes(job, scheme),
-        nvlink_domain_label=nvlink_domain_label(job),
-        levels=tuple(
-            values.FabricLevel(label=level.label, required=level.mode == "required")
-            for level in job.topology.levels
-        ),
+        nvlink_domain_label=domain,
+        levels=tuple(level for level in levels if level.label != domain),
         node_selector=dict(job.resources.node_selector),
+        nvlink_domain_level=next((level for level in levels if level.label == domain), None),
     )

@@ -746,3 +746,50 @@ def test_a_required_level_the_topology_lacks_creates_no_workload() -> None:
     assert kueue_topology.unknown_required(spec, ()) is None
     preferred = _spec(levels=[{"label": zone}])
     assert kueue_topology.unknown_required(preferred, (BLOCK, RACK, HOST)) is None
+
+
+def test_a_stage_scoped_level_is_a_slice_of_one_stage_there() -> None:
+    # dp8 x pp2 on pods of 4 GPUs: stages of 2 pods, each required in one rack
+    spec = _spec(levels=[{"label": BLOCK}, {"label": RACK, "mode": "required", "scope": "stage"}])
+    request = kueue_topology.topology_request(spec, (BLOCK, RACK, HOST), 4)
+    assert request == {
+        "preferred": RACK,
+        "podSetSliceRequiredTopology": RACK,
+        "podSetSliceSize": 2,
+    }
+    # the block required per stage, the rack preferred below it: Kueue refuses a slice above the
+    # pod set's level, so the pod set prefers the block
+    above = _spec(levels=[{"label": BLOCK, "mode": "required", "scope": "stage"}, {"label": RACK}])
+    assert kueue_topology.topology_request(above, (BLOCK, RACK, HOST), 4) == {
+        "preferred": BLOCK,
+        "podSetSliceRequiredTopology": BLOCK,
+        "podSetSliceSize": 2,
+    }
+    # the whole job required in the block, each stage in a rack
+    both = _spec(
+        levels=[
+            {"label": BLOCK, "mode": "required"},
+            {"label": RACK, "mode": "required", "scope": "stage"},
+        ]
+    )
+    assert kueue_topology.topology_request(both, (BLOCK, RACK, HOST), 4) == {
+        "required": BLOCK,
+        "podSetSliceRequiredTopology": RACK,
+        "podSetSliceSize": 2,
+    }
+
+
+def test_a_stage_scoped_level_above_the_job_s_required_level_asks_no_slice() -> None:
+    spec = _spec(
+        levels=[
+            {"label": BLOCK, "mode": "required", "scope": "stage"},
+            {"label": RACK, "mode": "required"},
+        ]
+    )
+    assert kueue_topology.topology_request(spec, (BLOCK, RACK, HOST), 4) == {"required": RACK}
+
+
+def test_a_stage_scoped_level_the_topology_lacks_creates_no_workload() -> None:
+    spec = _spec(levels=[{"label": RACK, "mode": "required", "scope": "stage"}])
+    why = kueue_topology.unknown_required(spec, (BLOCK, HOST))
+    assert why is not None and "each pipeline stage" in why and "drop its scope" in why

@@ -273,6 +273,20 @@ def _warm_spares_fit(spec: TrainingJobSpec) -> str | None:
     return None
 
 
+def _stage_scope_fills_pods(spec: TrainingJobSpec) -> str | None:
+    staged = [i for i, level in enumerate(spec.topology.levels) if level.scope == "stage"]
+    p, per = spec.parallelism, spec.resources.gpus_per_node
+    stage = p.data * p.context * p.tensor
+    if staged and stage % per:
+        return (
+            f"spec.topology.levels[{staged[0]}] has scope stage, but a pipeline stage's ranks, data x "
+            f"context x tensor = {p.data} x {p.context} x {p.tensor} = {stage}, are not a multiple of "
+            f"resources.gpusPerNode={per}: stages share pods, so no pod belongs to one stage; make "
+            f"data x context x tensor a multiple of {per}, or use scope job"
+        )
+    return None
+
+
 def object_urls(spec: TrainingJobSpec) -> list[tuple[str, str]]:
     """(field, URL) of every ``s3://`` URL the spec names."""
     t = spec.training
@@ -504,6 +518,16 @@ RULES: tuple[base.Rule[TrainingJobSpec], ...] = (
         "s3:// URLs in training.dataset(s), training.eval.dataset, model.init.fromHF or checkpoint.path "
         "need spec.objectStorage (endpoint, region; credentialsSecret unless the pod has its own identity)",
         _object_storage_for_urls,
+    ),
+    base.Rule(
+        "stage-scope-fills-pods",
+        "spec.topology.levels",
+        "!has(self.topology.levels) || !self.topology.levels.exists(l, has(l.scope) && l.scope == 'stage') "
+        "|| (self.parallelism.data * (has(self.parallelism.context) ? self.parallelism.context : 1) "
+        "* self.parallelism.tensor) % self.resources.gpusPerNode == 0",
+        "topology.levels[].scope stage needs each pipeline stage to fill whole pods: data x context x tensor "
+        "a multiple of resources.gpusPerNode",
+        _stage_scope_fills_pods,
     ),
 )
 """Rules across sections, judged on the whole spec."""

@@ -21,7 +21,12 @@ class FabricLevel(base.SpecModel):
     )
     mode: Literal["required", "preferred"] = Field(
         "preferred",
-        description="required: the whole job must fit in one domain of this level; preferred: minimise traffic across it.",
+        description="required: the job (scope job) or each pipeline stage (scope stage) must fit in one domain of this level; preferred: minimise traffic across it.",
+    )
+    scope: Literal["job", "stage"] = Field(
+        "job",
+        description="What a required level keeps in one domain: job, the whole gang; stage, each pipeline "
+        "stage's pods (every data, context and tensor rank of one stage), the job spanning domains.",
     )
 
 
@@ -37,5 +42,53 @@ class Topology(base.SpecModel):
     levels: list[FabricLevel] = Field(
         default_factory=list,
         max_length=8,
-        description="Fabric levels from the top (block) down to the bottom (leaf/rack); empty detects the NVIDIA, GKE or AWS topology labels on the nodes.",
+        description="Fabric levels from the top (block) down to the bottom (leaf/rack); empty detects the NVIDIA, GKE or AWS topology labels on the nodes. "
+        "The last may name nvlinkDomainLabel: what the NVLink domain itself requires (mode, scope).",
     )
+
+
+def _stage_scope_required(topology: Topology) -> str | None:
+    for index, level in enumerate(topology.levels):
+        if level.scope == "stage" and level.mode != "required":
+            return (
+                f"spec.topology.levels[{index}] ({level.label}) has scope stage with mode preferred: a "
+                "preference is weighed per byte whatever its scope, so scope applies to required levels "
+                "only; write mode: required to keep each pipeline stage in one domain of it, or drop scope"
+            )
+    return None
+
+
+def _nvlink_domain_level_last(topology: Topology) -> str | None:
+    label = topology.nvlink_domain_label
+    named = [i for i, level in enumerate(topology.levels) if level.label == label]
+    if named and named != [len(topology.levels) - 1]:
+        return (
+            f"spec.topology.levels[{named[0]}] names the NVLink-domain label {label} (nvlinkDomainLabel), "
+            "which lies below every fabric level: list it once, as the last level (it then says what "
+            "the NVLink domain requires: mode required, for the job or with scope stage for each stage)"
+        )
+    return None
+
+
+RULES: tuple[base.Rule[Topology], ...] = (
+    base.Rule(
+        "nvlink-domain-level-last",
+        "spec.topology.levels",
+        "!has(self.topology.nvlinkDomainLabel) || !has(self.topology.levels) "
+        "|| !self.topology.levels.exists(l, l.label == self.topology.nvlinkDomainLabel) "
+        "|| (self.topology.levels.exists_one(l, l.label == self.topology.nvlinkDomainLabel) "
+        "&& self.topology.levels[size(self.topology.levels) - 1].label == self.topology.nvlinkDomainLabel)",
+        "topology.levels may name topology.nvlinkDomainLabel once, as the last level (the NVLink domain "
+        "lies below every fabric level)",
+        _nvlink_domain_level_last,
+    ),
+    base.Rule(
+        "stage-scope-required",
+        "spec.topology.levels",
+        "!has(self.topology.levels) || self.topology.levels.all(l, !has(l.scope) || l.scope != 'stage' "
+        "|| (has(l.mode) && l.mode == 'required'))",
+        "topology.levels[].scope stage needs mode required (a preferred level is weighed per byte whatever its scope)",
+        _stage_scope_required,
+    ),
+)
+"""Rules on the topology section alone."""

@@ -298,6 +298,29 @@ INVALID = [
         "should be greater than or equal to 1",
     ),
     (
+        "a stage-scoped level only preferred",
+        _valid().topology(levels=[{"label": "example.com/rack", "scope": "stage"}]).manifest(),
+        _rule("stage-scope-required"),
+    ),
+    (
+        "a stage-scoped level where stages share pods",
+        _valid()
+        .layout(data=1, pipeline=2, tensor=2, gpus_per_node=4)
+        .topology(levels=[{"label": "example.com/rack", "mode": "required", "scope": "stage"}])
+        .manifest(),
+        _rule("stage-scope-fills-pods"),
+    ),
+    (
+        "the NVLink-domain label above a fabric level",
+        _valid()
+        .topology(
+            nvlinkDomainLabel="nvidia.com/gpu.clique",
+            levels=[{"label": "nvidia.com/gpu.clique"}, {"label": "example.com/rack"}],
+        )
+        .manifest(),
+        _rule("nvlink-domain-level-last"),
+    ),
+    (
         "name too long",
         _valid("x" * 41).manifest(),
         "metadata.name must be at most 40 characters",

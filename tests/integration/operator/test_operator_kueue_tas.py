@@ -248,3 +248,32 @@ def test_kueue_accepts_the_per_stage_slice_request_and_the_gang_keeps_its_counts
     placed = _placed(cluster, "sliced")
     labels = _node_labels(cluster)
     assert _per_domain([e["node"] for e in placed], labels, assignment) == expected
+
+
+def test_kueue_accepts_a_stage_scoped_level_as_a_slice_and_keeps_each_stage_in_one_leaf(
+    tas,
+) -> None:
+    # The job required in one block and each stage (two 4-GPU pods) in one leaf: the Workload
+    # asks Kueue for the block, with a PodSet slice of 2 pods in the leaf below it; Kueue v0.17.0
+    # accepts it (a slice level above the pod set's would never be admitted) and the gang fills
+    # the assignment with each stage's nodes in one leaf, read from the Node objects.
+    cluster, _ = tas
+    levels = [
+        {"label": BLOCK, "mode": "required"},
+        {"label": LEAF, "mode": "required", "scope": "stage"},
+    ]
+    _apply(cluster, _job("staged", levels))
+    assert _topology_request(cluster, "staged") == {
+        "required": BLOCK,
+        "podSetSliceRequiredTopology": LEAF,
+        "podSetSliceSize": 2,
+    }
+    assignment = _admitted_assignment(cluster, "staged")
+    expected = Counter({d.values: d.count for d in assignment.domains})
+    placed = sorted(_placed(cluster, "staged"), key=lambda entry: entry["podIndex"])
+    labels = _node_labels(cluster)
+    nodes = [entry["node"] for entry in placed]
+    assert _per_domain(nodes, labels, assignment) == expected
+    assert len({labels[n][BLOCK] for n in nodes}) == 1
+    for stage in range(2):
+        assert len({labels[n][LEAF] for n in nodes[2 * stage : 2 * stage + 2]}) == 1, nodes

@@ -136,7 +136,9 @@ def topology_request(
 
     Only levels the Topology has are named; "lowest" is in the Topology's order of ``levels``,
     whatever the order of ``spec.topology``.  ``required``: the lowest ``spec.topology`` level
-    with mode required (the whole gang in one domain of it, the same rule the planner keeps).
+    with mode required and scope job (the whole gang in one domain of it, the same rule the
+    planner keeps).  A level required with scope stage is a PodSet slice of one stage's pods
+    there (:func:`_stage_slice`), in place of the NVLink-domain slice below.
     Else ``preferred``: the lowest fabric level of ``spec.topology`` the Topology has, else the
     NVLink-domain label, else the Topology's own second-lowest level (its lowest is usually the
     hostname), so Kueue packs the gang as tightly as it can.  With the NVLink-domain label among
@@ -148,7 +150,11 @@ def topology_request(
     """
     topology, order = spec.topology, list(levels)
     fabric = [level for level in topology.levels if level.label in order]
-    required = [level.label for level in fabric if level.mode == "required"]
+    grid, per_pod = spec.parallelism, spec.resources.gpus_per_node
+    required = [lv.label for lv in fabric if lv.mode == "required" and lv.scope == "job"]
+    staged = [lv.label for lv in fabric if lv.mode == "required" and lv.scope == "stage"]
+    if staged and grid.pipeline == 1:  # one stage: the stage is the job
+        required, staged = [*required, *staged], []
     nvlink = topology.nvlink_domain_label if topology.nvlink_domain_label in order else None
     request: dict[str, Any] = {}
     if required:
@@ -161,17 +167,37 @@ def topology_request(
         request["preferred"] = (
             levels[-2] if len(levels) > 1 and levels[-1] == HOSTNAME else levels[-1]
         )
-    grid, per_pod = spec.parallelism, spec.resources.gpus_per_node
     per_stage = grid.world_size // grid.pipeline  # every rank of one stage
     stage_pods = per_stage // per_pod if per_stage % per_pod == 0 else 0
+    slices = grid.pipeline > 1 and stage_pods > 1 and count % stage_pods == 0
+    if staged:
+        _stage_slice(request, max(staged, key=order.index), stage_pods, order, slices)
+        return request
     level = request.get("required") or request.get("preferred")
     # Kueue refuses a slice level above the pod set's level (tas_flavor_snapshot.go: "podset
     # slice topology X is above the podset topology Y"): the job would never be admitted.
     below = nvlink is not None and level is not None and order.index(nvlink) >= order.index(level)
-    if below and grid.pipeline > 1 and stage_pods > 1 and count % stage_pods == 0:
+    if below and slices:
         request["podSetSliceRequiredTopology"] = nvlink
         request["podSetSliceSize"] = stage_pods
     return request
+
+
+def _stage_slice(
+    request: dict[str, Any], level: str, stage_pods: int, order: list[str], slices: bool
+) -> None:
+    """Ask Kueue for each pipeline stage in one domain of the stage-scoped ``level``: a PodSet
+    slice of ``stage_pods`` there (when ``slices``), the pod set's own level raised to it where it
+    was a lower preference (Kueue refuses a slice above the pod set's level); a required level at
+    or below it already keeps every stage in one domain."""
+    job_level = request.get("required")
+    if job_level is not None and order.index(job_level) >= order.index(level):
+        return
+    if job_level is None and order.index(request["preferred"]) > order.index(level):
+        request["preferred"] = level
+    if slices:
+        request["podSetSliceRequiredTopology"] = level
+        request["podSetSliceSize"] = stage_pods
 
 
 def unknown_required(spec: api_spec.TrainingJobSpec, levels: Sequence[str]) -> str | None:
@@ -186,11 +212,12 @@ def unknown_required(spec: api_spec.TrainingJobSpec, levels: Sequence[str]) -> s
         return None
     for index, level in enumerate(spec.topology.levels):
         if level.mode == "required" and level.label not in levels:
+            whom = "each pipeline stage" if level.scope == "stage" else "the gang"
             return (
                 f"spec.topology.levels[{index}].label {level.label!r} is required, but the Kueue "
                 f"TAS Topology of the job's queue has the levels {', '.join(levels)}: Kueue could "
-                "not keep the gang in one such domain, so no Workload is created; make the level "
-                "preferred, require a level the Topology has, or add the label to the Topology "
+                f"not keep {whom} in one such domain, so no Workload is created; make the level "
+                f"preferred{' (and drop its scope)' if level.scope == 'stage' else ''}, require a level the Topology has, or add the label to the Topology "
                 "(checked again with backoff)"
             )
     return None
