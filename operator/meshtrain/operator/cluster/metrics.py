@@ -84,6 +84,11 @@ REPLANS = prometheus_client.Counter(
     "that could admit it, or by its resync), by the job's namespace.",
     labelnames=("namespace",),
 )
+RESERVATION_PLANS = prometheus_client.Counter(
+    "meshtrain_operator_reservation_plans",
+    "Plans of the node set reserved for the job that waited longest (reserving.refresh): one per "
+    "new holder, at most one per 30 s of capacity or node changes after that.",
+)
 PLACEMENT_FAILURE_REASONS = (
     placement.INSUFFICIENT_GPUS,
     placement.TOPOLOGY_UNSATISFIABLE,
