@@ -60,7 +60,7 @@ async def _plan(
     raw_nodes, nodes, _ = fit.candidates(job, declared.resources.gpu_resource_name, clock.now())
     drained = fit.cache.usage(without=reservation.ours(fit.cache.pods.values()))
     smallest = min(spec.parallelism.data for _, spec in resizing.candidates(declared))
-    metrics.RESERVATION_PLANS.inc()
+    metrics.RESERVATION_PLANS.labels(namespace=ref.namespace).inc()
     try:
         sized = await fit.plan_sizes(job, raw_nodes, nodes, demand, smallest, usage=drained)
     except (planning.DeadlineExceeded, planning.WorkerFailed) as err:
