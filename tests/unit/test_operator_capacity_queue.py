@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
+from meshtrain import placement
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import handlers, placement_lock, waiting
+from meshtrain.operator import handlers, placement_lock, reserving, waiting
 from meshtrain.operator.cluster import informer
 from meshtrain.operator.policy import capacity_queue, conditions, feasibility, identity, reservation
 from tests.builders import JobBuilder
@@ -449,3 +450,21 @@ def test_after_a_restart_other_jobs_wait_until_the_node_set_of_a_job_that_may_ho
     assert fresh.unsettled("uid-small")
     seconds[0] += reservation.SETTLE_SECONDS
     assert not fresh.unsettled("uid-small")  # bounded: it never planned, the others go on
+
+
+def test_grows_and_plans_of_other_jobs_see_no_reserved_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``reserving.outside``: what a plan or an elastic grow of another job may take."""
+    cache, queue, clock = _three_free_nodes(monkeypatch)
+    large = _job("large", 4)
+    queue.enter(*large)
+    clock[0] = capacity_queue.RESERVE_AFTER_SECONDS + 1
+    _reserve(queue, "uid-large", "n1", "n2")
+    raw = list(cache.nodes.values())
+    nodes = [placement.node_from_manifest(n, GPU) for n in raw]
+    kept_raw, kept = reserving.outside(queue, "uid-other", raw, nodes)
+    assert sorted(n["metadata"]["name"] for n in kept_raw) == ["n0", "n3"]
+    assert sorted(n.name for n in kept) == ["n0", "n3"]
+    mine = reserving.outside(queue, "uid-large", raw, nodes)
+    assert mine == (raw, nodes)  # the holder sees every node
