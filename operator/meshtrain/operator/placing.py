@@ -454,7 +454,12 @@ class Placer:
             step, placed = await self._place_gang(
                 action.attempt, body, job, template, where, claim, action.topology, priority
             )
-            reserved = await reserving.refresh(self.waiting, self.fit, step[1], demand)
+            reserved = None  # it waits: the node set it holds, when one is due
+            if placed is None:
+                reserved = await reserving.refresh(self.waiting, self.fit, step[1], demand)
+        if reserved is not None:
+            said = reservation.described(reserved)
+            await self.writer.emit(step[0], "Normal", conditions.NODES_RESERVED, said)
         if placed is not None:
             logger.info(
                 "placed %s/%s %s on %d node(s)",
@@ -464,9 +469,6 @@ class Placer:
                 len(set(placed.nodes)),
             )
             await self.writer.emit(step[0], "Normal", conditions.GANG_PLACED, placed.message)
-        if reserved is not None and (placed is None or reserved.nodes):
-            said = reservation.described(reserved)
-            await self.writer.emit(step[0], "Normal", conditions.NODES_RESERVED, said)
         return step
 
     def _beside_own(self, job: job_state.JobState) -> bool:

@@ -158,6 +158,7 @@ class Queue:
             del self._uids[(ref.namespace, ref.name)]
         if self.reservation is not None and self.reservation.holder == ref.uid:
             self.reservation = None
+        self.settled(ref.uid)  # placed or gone: nobody waits for its node set
         if left is not None:
             self._prune(left.need.shape)
 
