@@ -468,3 +468,22 @@ def test_grows_and_plans_of_other_jobs_see_no_reserved_node(
     assert sorted(n.name for n in kept) == ["n0", "n3"]
     mine = reserving.outside(queue, "uid-large", raw, nodes)
     assert mine == (raw, nodes)  # the holder sees every node
+
+
+def test_a_holder_whose_node_set_found_no_place_passes_on_until_the_nodes_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cache, queue, clock = _three_free_nodes(monkeypatch)
+    large, other = _job("large", 4), _job("other", 2)
+    queue.enter(*large)
+    clock[0] = 1.0
+    queue.enter(*other)
+    clock[0] = capacity_queue.RESERVE_AFTER_SECONDS + 2
+    assert queue.holder() == queue.entries["uid-large"]
+    queue.unfit("uid-large")  # its plan with meshtrain's pods gone placed nothing
+    assert queue.holder() == queue.entries["uid-other"]
+    queue.enter(*large)  # planned again, same nodes: still may not hold
+    assert queue.holder() == queue.entries["uid-other"]
+    cache.nodes.upsert(_node("n4"))
+    queue.enter(*large)
+    assert queue.holder() == queue.entries["uid-large"]

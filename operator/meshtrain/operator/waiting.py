@@ -82,6 +82,9 @@ class Queue:
         (:meth:`unsettled`), until each had its node set asked for here."""
         self._settle_until = 0.0
         """Monotonic time past which :meth:`unsettled` answers False whatever is left."""
+        self._unfit: dict[str, int] = {}
+        """UID -> node changes when its reservation's plan found no place: it may not hold until
+        the nodes change."""
 
     def capacity_changed(self) -> None:
         """Nodes changed or GPUs were freed (the informer's wake-up)."""
@@ -138,7 +141,7 @@ class Queue:
             misses += 1  # it held, its count was free, and its plan placed nothing
         began = [t for t in (since, None if found is None else found.since) if t is not None]
         fits = need.shape is None or self._fits_drained(need.shape, need.pods)
-        if found is not None and not found.fits_drained:
+        if self._unfit.get(ref.uid) == self.cache.nodes.changes:
             fits = False  # its reservation's plan found no place even with our pods gone
         entry = self.entries[ref.uid] = capacity_queue.Waiting(
             ref.uid, need, min(began, default=time.time()), fits, misses, priority
@@ -158,14 +161,17 @@ class Queue:
             del self._uids[(ref.namespace, ref.name)]
         if self.reservation is not None and self.reservation.holder == ref.uid:
             self.reservation = None
+        self._unfit.pop(ref.uid, None)
         self.settled(ref.uid)  # placed or gone: nobody waits for its node set
         if left is not None:
             self._prune(left.need.shape)
 
     def unfit(self, uid: str) -> None:
-        """Job ``uid`` found no place even with meshtrain's pods gone: it holds no more."""
+        """Job ``uid`` found no place even with meshtrain's pods gone: it holds no more (until
+        the nodes change)."""
         if (entry := self.entries.get(uid)) is not None:
             self.entries[uid] = dataclasses.replace(entry, fits_drained=False)
+            self._unfit[uid] = self.cache.nodes.changes
 
     def _prune(self, shape: Hashable | None) -> None:
         """Forget ``shape``'s demand once no waiting job has it."""
@@ -236,7 +242,7 @@ class Queue:
                 str(job["metadata"].get("uid"))
                 for job in self.cache.jobs.values()
                 if reservation.may_hold(job, stamp, self.reserve_after)
-            }
+            } - self._planned.keys()  # planned here already: asked for its node set then
         if now >= self._settle_until:
             self._may_hold.clear()
         return uid not in self._may_hold and bool(self._may_hold)
