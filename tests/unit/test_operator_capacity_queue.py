@@ -475,11 +475,9 @@ def test_a_holder_whose_node_set_found_no_place_passes_on_until_the_nodes_change
 ) -> None:
     cache, queue, clock = _three_free_nodes(monkeypatch)
     large, other = _job("large", 4), _job("other", 2)
-    queue.enter(*large)
-    clock[0] = 1.0
-    queue.enter(*other)
+    queue.enter(*large, since=0.0)
+    queue.enter(*other, since=1.0)
     clock[0] = capacity_queue.RESERVE_AFTER_SECONDS + 2
-    assert queue.holder() == queue.entries["uid-large"]
     queue.unfit("uid-large")  # its plan with meshtrain's pods gone placed nothing
     assert queue.holder() == queue.entries["uid-other"]
     queue.enter(*large)  # planned again, same nodes: still may not hold
