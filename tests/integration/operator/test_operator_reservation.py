@@ -7,7 +7,8 @@ fit beside it place on the other leaf (backfill); one that would need a reserved
 running job's spare node is not taken from the reserved leaf; an operator restart keeps the wait
 (the holder holds again at once, before the threshold could have passed anew).  When the meshtrain
 job holding the leaf ends, the gang is bound on the four nodes kept for it: had any other path
-taken one, it could not be.
+taken one, it could not be.  A running gang's lost pod is replaced outside the reserved nodes
+when another node can take it.
 """
 
 from __future__ import annotations
@@ -103,5 +104,49 @@ def test_a_waiting_gang_gets_its_node_set_and_only_what_fits_beside_it_places(
             )
             assert {s["node"] for s in spares} <= leaf_a
             assert _bound_nodes(cluster, namespace, "small-3") <= leaf_a
+        finally:
+            operator.stop()
+
+
+def test_a_lost_pod_is_replaced_outside_the_reserved_nodes_when_another_node_can_take_it(
+    control_plane_binaries, tmp_path
+):
+    """A running gang of two in leaf a loses pod 1 while leaf a is reserved for a waiting gang:
+    the replacement goes to the node of leaf c, though leaf a's free node is nearer its survivor
+    (where the fabric cost model alone puts it)."""
+    log = str(tmp_path / "operator.log")
+    with Cluster.private(control_plane_binaries) as cluster, Kubelet(cluster):
+        env = {"MESHTRAIN_RESERVE_AFTER_SECONDS": "3"}
+        operator = OperatorProcess(cluster.kubeconfig, log, env=env, resync_seconds=1)
+        operator.start()
+        try:
+            namespace, pool = f"rep-{uuid.uuid4().hex[:6]}", f"p{uuid.uuid4().hex[:6]}"
+            cluster.core.create_namespace({"metadata": {"name": namespace}})
+            leaf_a = {cluster.add_node(pool, gpus=2, labels={LEAF: "a"}) for _ in range(3)}
+            (leaf_c,) = {cluster.add_node(pool, gpus=2, labels={LEAF: "c"})}
+            cluster.apply(JobBuilder("keep", namespace, pool).layout(data=4).gpus(2))
+            assert _bound_nodes(cluster, namespace, "keep") < leaf_a  # one leaf: the cheapest
+            cluster.wait_phase(namespace, "keep", "Running", timeout=60)
+
+            big = JobBuilder("big", namespace, pool).layout(data=6).gpus(2)  # 3 pods in leaf a
+            cluster.apply(big.topology(levels=[{"label": LEAF, "mode": "required"}]))
+            wait_for("leaf a reserved", lambda: _holds(log) > 0, 60)
+            (event,) = cluster.events(namespace, "big", "NodesReserved")
+            assert event.message.endswith(", ".join(sorted(leaf_a)))
+
+            cluster.core.delete_namespaced_pod("keep-r0-1", namespace)
+            replaced = wait_for(
+                "pod 1 replaced and bound",
+                lambda: next(
+                    (
+                        p.spec.node_name
+                        for p in cluster.pods(namespace, "keep")
+                        if p.metadata.name == "keep-r0-1-p1" and p.spec.node_name
+                    ),
+                    None,
+                ),
+                60,
+            )
+            assert replaced == leaf_c
         finally:
             operator.stop()
