@@ -193,6 +193,8 @@ def trim_job(job: kube.Body) -> kube.Body:
     labels = _pick(metadata.get("labels"), (kueue_workload.QUEUE_LABEL,))
     found = conditions.find(status.get("conditions") or [], conditions.PLACED)
     placed = _pick(found, ("type", "status", "reason", "lastTransitionTime"))  # not the message
+    if status.get("phase") in FINISHED:
+        placed = {}  # it holds nothing: a change there is no news (``_wake`` wakes at finished jobs)
     return {
         "metadata": {
             **_pick(metadata, ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp")),
