@@ -135,7 +135,8 @@ def test_a_lost_pod_is_replaced_outside_the_reserved_nodes_when_another_node_can
     with _operated(control_plane_binaries, log, 3) as (cluster, operator, namespace, pool):
         leaf_a = {cluster.add_node(pool, gpus=2, labels={LEAF: "a"}) for _ in range(3)}
         (leaf_c,) = {cluster.add_node(pool, gpus=2, labels={LEAF: "c"})}
-        cluster.apply(JobBuilder("keep", namespace, pool).layout(data=4).gpus(2))
+        keep = JobBuilder("keep", namespace, pool).layout(data=4).gpus(2)
+        cluster.apply(keep.topology(levels=[{"label": LEAF, "mode": "preferred"}]))
         assert _bound_nodes(cluster, namespace, "keep") < leaf_a  # one leaf: the cheapest
         cluster.wait_phase(namespace, "keep", "Running", timeout=60)
 
