@@ -498,9 +498,14 @@ OPERATOR_PANELS: list[Panel] = [
                 "re-plans of waiting jobs",
                 f"sum(rate(meshtrain_operator_replans_total{{{OPSEL}}}[{RI}]))",
             ),
+            (
+                "plans of the reserved node set",
+                f"sum(rate(meshtrain_operator_reservation_plans_total{{{OPSEL}}}[{RI}]))",
+            ),
         ],
-        "Placement attempts that placed nothing, and plans of jobs that already waited (woken by "
-        "a capacity change that could admit them, or by their resync).",
+        "Placement attempts that placed nothing, plans of jobs that already waited (woken by "
+        "a capacity change that could admit them, or by their resync), and plans of the node set "
+        "reserved for the job that waited longest.",
     ),
     Panel(
         "Gang restarts",

@@ -1,18 +1,20 @@
-"""Waiting for capacity: which jobs a capacity change wakes, once per change, and the reservation
-that bounds the wait of the longest-waiting gang (``policy.capacity_queue``, ``waiting.Queue``,
-``handlers.Wakeups``, ``placement_lock``)."""
+"""Waiting for capacity: which jobs a capacity change wakes, once per change, and the node-set
+reservation that bounds the wait of the longest-waiting gang (``policy.capacity_queue``,
+``policy.reservation``, ``waiting.Queue``, ``handlers.Wakeups``, ``placement_lock``)."""
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 from typing import Any
 
 import pytest
 
+from meshtrain import placement
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import handlers, placement_lock, waiting
+from meshtrain.operator import handlers, placement_lock, reserving, waiting
 from meshtrain.operator.cluster import informer
-from meshtrain.operator.policy import capacity_queue, feasibility, identity
+from meshtrain.operator.policy import capacity_queue, conditions, feasibility, identity, reservation
 from tests.builders import JobBuilder
 
 GPU = "nvidia.com/gpu"
@@ -58,23 +60,58 @@ def test_the_longest_waiting_job_holds_the_reservation_once_it_has_waited_long_e
     assert capacity_queue.holder([], now=1e9) is None
 
 
-@pytest.mark.parametrize(
-    ("job", "holder_free", "held"),
-    [
-        (_need(1), 5, True),  # the one slot it takes is one the 8-pod holder waits for
-        (_need(1), 9, False),  # 9 free: 8 are left for the holder beside it
-        (_need(2), 9, True),
-        (_need(1, "1-gpu", gpus=1), 8, True),  # a 1-GPU pod still breaks an 8-GPU slot
-        (_need(1, "1-gpu", gpus=1), 9, False),
-    ],
-)
-def test_a_job_is_held_back_when_it_could_take_the_slots_the_holder_waits_for(
-    job: capacity_queue.Need, holder_free: int, held: bool
-) -> None:
-    reserved = capacity_queue.Waiting("holder", _need(8), since=0.0)
-    assert capacity_queue.held_back("other", job, reserved, holder_free) is held
-    assert capacity_queue.held_back("holder", _need(8), reserved, 0) is False  # never itself
-    assert capacity_queue.held_back("other", job, None, 0) is False  # no reservation: never
+def test_of_the_jobs_that_waited_long_enough_the_highest_priority_holds_then_the_oldest() -> None:
+    after = capacity_queue.RESERVE_AFTER_SECONDS
+    old = capacity_queue.Waiting("old", _need(4), since=0.0)
+    urgent = capacity_queue.Waiting("urgent", _need(4), since=50.0, priority=1000)
+    fresh = capacity_queue.Waiting("fresh", _need(4), since=400.0, priority=5000)
+    assert capacity_queue.holder([old, urgent, fresh], now=after + 10) == old  # urgent: too young
+    assert capacity_queue.holder([old, urgent, fresh], now=after + 50) == urgent
+    assert capacity_queue.holder([old, urgent, fresh], now=after + 400) == fresh
+    assert capacity_queue.holder([old, urgent], now=20.0, after=10.0) == old  # the setting
+
+
+def test_the_reserved_nodes_are_kept_from_everyone_but_their_holder_and_planned_again_sparingly() -> (
+    None
+):
+    kept = reservation.Reservation("holder", frozenset({"n1", "n2"}), basis=(3, 7), at=100.0)
+    assert reservation.excluded(kept, "other") == {"n1", "n2"}
+    assert reservation.excluded(kept, "holder") == frozenset()
+    assert reservation.excluded(None, "other") == frozenset()
+    assert reservation.outside({"n0": 1, "n1": 1, "n3": 2}, kept.nodes) == {"n0": 1, "n3": 2}
+    assert reservation.due(None, "holder", (3, 7), now=100.0)  # none yet
+    assert reservation.due(kept, "next", (3, 7), now=100.0)  # another holder: at once
+    assert not reservation.due(kept, "holder", (3, 7), now=1e9)  # nothing changed: never
+    every = reservation.REPLAN_AFTER_SECONDS
+    assert not reservation.due(kept, "holder", (4, 7), now=100.0 + every - 1)  # too soon
+    assert reservation.due(kept, "holder", (3, 8), now=100.0 + every)
+
+
+def test_the_wait_starts_at_the_placed_false_transition_so_a_restart_keeps_it() -> None:
+    now = datetime.datetime(2026, 11, 30, 4, 0, tzinfo=datetime.UTC)
+    began = now - datetime.timedelta(minutes=7)
+    status = {
+        "conditions": [
+            {
+                "type": conditions.PLACED,
+                "status": conditions.FALSE,
+                "reason": "InsufficientGPUs",
+                "lastTransitionTime": conditions.timestamp(began),
+            }
+        ]
+    }
+    assert reservation.since_of(status, now) == began.timestamp()
+    status["conditions"][0]["status"] = conditions.TRUE  # placed: not waiting
+    assert reservation.since_of(status, now) == now.timestamp()
+    assert reservation.since_of({}, now) == now.timestamp()
+    status["conditions"][0].update(status=conditions.FALSE, lastTransitionTime="not a time")
+    assert reservation.since_of(status, now) == now.timestamp()
+
+
+def test_only_meshtrain_pods_count_free_for_the_holders_plan() -> None:
+    ours = {"metadata": {"labels": {"app.kubernetes.io/managed-by": "meshtrain-operator"}}}
+    theirs = {"metadata": {"labels": {"app": "other"}}}
+    assert reservation.ours([ours, theirs, {}]) == [ours]
 
 
 def _node(name: str, gpus: int = 8) -> dict[str, Any]:
@@ -140,11 +177,16 @@ def _three_free_nodes(
     cache.pods.upsert(_bound("busy", "n0"))
     queue = waiting.Queue(cache)
     clock = [0.0]
-    monkeypatch.setattr(waiting.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(waiting.time, "time", lambda: clock[0])
     return cache, queue, clock
 
 
-def test_the_reservation_holds_back_others_until_its_holder_fits(
+def _reserve(queue: waiting.Queue, uid: str, *nodes: str) -> None:
+    """What ``reserving.refresh`` records once the holder's plan picked ``nodes``."""
+    queue.reservation = reservation.Reservation(uid, frozenset(nodes), queue.basis(), 0.0)
+
+
+def test_the_reserved_nodes_wake_only_their_holder_and_others_place_beside_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     cache, queue, clock = _three_free_nodes(monkeypatch)
@@ -152,13 +194,33 @@ def test_the_reservation_holds_back_others_until_its_holder_fits(
     queue.enter(*large)
     clock[0] = 10.0
     queue.enter(*small)
-    assert queue.held_back(*small) is None  # nobody has waited long enough
+    assert queue.holder() is None  # nobody has waited long enough
     clock[0] = capacity_queue.RESERVE_AFTER_SECONDS + 1
-    assert queue.held_back(*small) == queue.entries["uid-large"]  # 3 free < 4: it waits
-    assert queue.held_back(*large) is None
-    assert queue.wake([("ns", "small"), ("ns", "large")]) == []  # 3 slots: neither can start
+    assert queue.holder() == queue.entries["uid-large"]
+    assert queue.reservation_due("uid-large") and not queue.reservation_due("uid-small")
+    assert queue.excluded("uid-small") == frozenset()  # its node set is not planned yet
+    _reserve(queue, "uid-large", "n0", "n1", "n2", "n3")
+    assert not queue.reservation_due("uid-large")
+    assert queue.excluded("uid-small") == {"n0", "n1", "n2", "n3"}
+    assert queue.excluded("uid-large") == frozenset()
+    assert queue.wake([("ns", "small"), ("ns", "large")]) == []  # 3 free < 4; none outside
     cache.pods.remove(_bound("busy", "n0"))
-    assert queue.wake([("ns", "small"), ("ns", "large")]) == [("ns", "large")]  # 4 free: the holder
+    assert queue.wake([("ns", "small"), ("ns", "large")]) == [("ns", "large")]  # its nodes free
+    cache.nodes.upsert(_node("n4"))
+    assert queue.wake([("ns", "small"), ("ns", "large")]) == [("ns", "small"), ("ns", "large")]
+    queue.leave(large[0])
+    assert queue.reservation is None and queue.excluded("uid-small") == frozenset()
+
+
+def test_a_job_that_waited_before_a_restart_holds_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wait is counted from the job's condition, not from its first plan in this process."""
+    _, queue, clock = _three_free_nodes(monkeypatch)
+    clock[0] = 10_000.0
+    large = _job("large", 4)
+    queue.enter(*large, since=clock[0] - capacity_queue.RESERVE_AFTER_SECONDS - 1)
+    assert queue.holder() == queue.entries["uid-large"]
+    queue.enter(*large, since=clock[0])  # entered again: keeps its place
+    assert queue.holder() == queue.entries["uid-large"]
 
 
 def test_urgent_waiters_take_the_placement_lock_before_earlier_ordinary_ones() -> None:
@@ -210,10 +272,11 @@ def test_capacity_changes_close_together_wake_each_admitted_job_once() -> None:
     assert woken == {"fits": True, "too-big": False, "running": False}
 
 
-def test_jobs_kueue_admitted_neither_hold_the_reservation_nor_are_held_back(
+def test_jobs_kueue_admitted_never_hold_the_reservation_yet_keep_off_its_nodes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Kueue's queue orders its own jobs: the reservation is among the operator's others."""
+    """Kueue's queue orders its own jobs: the holder is among the operator's others, and its
+    nodes are kept from every job, Kueue's too."""
     cache, queue, clock = _three_free_nodes(monkeypatch)
     queued, large, small = _job("queued", 4), _job("large", 4), _job("small", 1)
     queue.kueue.add(queued[0].uid)
@@ -222,11 +285,12 @@ def test_jobs_kueue_admitted_neither_hold_the_reservation_nor_are_held_back(
     queue.enter(*large)
     clock[0] = capacity_queue.RESERVE_AFTER_SECONDS + 10
     assert queue.holder() == queue.entries["uid-large"]
-    assert queue.held_back(*small) == queue.entries["uid-large"]
-    queue.kueue.add(small[0].uid)
-    assert queue.held_back(*small) is None
+    _reserve(queue, "uid-large", "n1", "n2", "n3")
+    assert queue.excluded(queued[0].uid) == {"n1", "n2", "n3"}
+    assert queue.wake([("ns", "queued")]) == []
     queue.leave(queued[0])
     assert queued[0].uid not in queue.kueue
+    assert cache.nodes and small
 
 
 def _pool_node(name: str, pool: str) -> dict[str, Any]:
@@ -243,7 +307,7 @@ def _pool_job(
     return ref, spec, demand
 
 
-def test_the_reservation_holds_back_only_jobs_that_could_use_the_holders_nodes(
+def test_the_reservation_keeps_only_the_holders_nodes_from_others(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A holder on pool a (3 free of 4 nodes) waits; a job of pool b takes nothing it could use."""
@@ -261,8 +325,7 @@ def test_the_reservation_holds_back_only_jobs_that_could_use_the_holders_nodes(
     queue.enter(*other_pool)
     queue.enter(*same_pool)
     assert queue.holder() == queue.entries["uid-large"]
-    assert queue.held_back(*other_pool) is None  # pool b: none of the holder's slots
-    assert queue.held_back(*same_pool) == queue.entries["uid-large"]
+    _reserve(queue, "uid-large", "n0", "n1", "n2", "n3")
     assert queue.wake([("ns", "b"), ("ns", "a")]) == [("ns", "b")]
 
 
@@ -274,7 +337,7 @@ def test_a_job_that_could_not_fit_an_empty_fleet_never_holds_the_reservation(
     queue.enter(*never)
     clock[0] = capacity_queue.RESERVE_AFTER_SECONDS + 1
     assert queue.holder() is None
-    assert queue.held_back(*small) is None
+    assert queue.excluded(small[0].uid) == frozenset()
 
 
 def test_a_holder_whose_count_was_free_yet_did_not_fit_passes_the_reservation_on(
@@ -287,6 +350,7 @@ def test_a_holder_whose_count_was_free_yet_did_not_fit_passes_the_reservation_on
         clock[0] = at
         queue.enter(*job)
     clock[0] = capacity_queue.RESERVE_AFTER_SECONDS + 2
+    _reserve(queue, "uid-large", "n1", "n2", "n3")  # free: its plan would find them
     for _ in range(capacity_queue.PASS_ON_AFTER):
         assert queue.holder() == queue.entries["uid-large"]
         queue.enter(*large)  # planned with 3 free slots for its 3 pods: placed nothing
@@ -349,3 +413,75 @@ def test_dra_jobs_and_shapes_beyond_the_cap_are_unknown_always_woken_and_pruned_
     again = feasibility.Demand(requests={GPU: 8}, tolerations=(), node_selector={"i": "again"})
     assert queue.enter(r, s, again).need.shape is not None  # the left shapes were pruned
     assert cache.nodes
+
+
+def _waiting_job(name: str, waited: float, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    """A TrainingJob as the API server shows one that has waited ``waited`` seconds for GPUs."""
+    began = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=waited)
+    placed = {
+        "type": conditions.PLACED,
+        "status": conditions.FALSE,
+        "reason": "InsufficientGPUs",
+        "message": "needs 4 pods",
+        "lastTransitionTime": conditions.timestamp(began),
+    }
+    metadata = {"name": name, "namespace": "ns", "uid": f"uid-{name}", "resourceVersion": "1"}
+    return {"metadata": {**metadata, "labels": labels or {}}, "status": {"conditions": [placed]}}
+
+
+def test_after_a_restart_other_jobs_wait_until_the_node_set_of_a_job_that_may_hold_is_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The objects say who waited long enough: a new process does not let others take its nodes
+    before it planned them, nor waits for them longer than ``SETTLE_SECONDS``."""
+    cache, queue, _ = _three_free_nodes(monkeypatch)
+    after = capacity_queue.RESERVE_AFTER_SECONDS
+    cache.jobs.upsert(_waiting_job("big", after + 60))
+    cache.jobs.upsert(_waiting_job("young", after - 60))  # not long enough
+    queued = {"kueue.x-k8s.io/queue-name": "main"}
+    cache.jobs.upsert(_waiting_job("queued", after + 60, queued))  # Kueue orders it
+    seconds = [1000.0]
+    monkeypatch.setattr(waiting.time, "monotonic", lambda: seconds[0])
+    assert queue.unsettled("uid-small") and queue.unsettled("uid-young")
+    assert not queue.unsettled("uid-big")  # it never waits for itself
+    queue.settled("uid-big")
+    assert not queue.unsettled("uid-small")
+    fresh = waiting.Queue(cache)
+    assert fresh.unsettled("uid-small")
+    seconds[0] += reservation.SETTLE_SECONDS
+    assert not fresh.unsettled("uid-small")  # bounded: it never planned, the others go on
+
+
+def test_grows_and_plans_of_other_jobs_see_no_reserved_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``reserving.outside``: what a plan or an elastic grow of another job may take."""
+    cache, queue, clock = _three_free_nodes(monkeypatch)
+    large = _job("large", 4)
+    queue.enter(*large)
+    clock[0] = capacity_queue.RESERVE_AFTER_SECONDS + 1
+    _reserve(queue, "uid-large", "n1", "n2")
+    raw = list(cache.nodes.values())
+    nodes = [placement.node_from_manifest(n, GPU) for n in raw]
+    kept_raw, kept = reserving.outside(queue, "uid-other", raw, nodes)
+    assert sorted(n["metadata"]["name"] for n in kept_raw) == ["n0", "n3"]
+    assert sorted(n.name for n in kept) == ["n0", "n3"]
+    mine = reserving.outside(queue, "uid-large", raw, nodes)
+    assert mine == (raw, nodes)  # the holder sees every node
+
+
+def test_a_holder_whose_node_set_found_no_place_passes_on_until_the_nodes_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cache, queue, clock = _three_free_nodes(monkeypatch)
+    large, other = _job("large", 4), _job("other", 2)
+    queue.enter(*large, since=0.0)
+    queue.enter(*other, since=1.0)
+    clock[0] = capacity_queue.RESERVE_AFTER_SECONDS + 2
+    queue.unfit("uid-large")  # its plan with meshtrain's pods gone placed nothing
+    assert queue.holder() == queue.entries["uid-other"]
+    queue.enter(*large)  # planned again, same nodes: still may not hold
+    assert queue.holder() == queue.entries["uid-other"]
+    cache.nodes.upsert(_node("n4"))
+    queue.enter(*large)
+    assert queue.holder() == queue.entries["uid-large"]

@@ -15,7 +15,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from meshtrain.operator import planning
-from meshtrain.operator.policy import builders, gang_backend, kueue_workload, naming
+from meshtrain.operator.policy import builders, capacity_queue, gang_backend, kueue_workload, naming
 from meshtrain.planner import admission, profiles
 
 if TYPE_CHECKING:
@@ -140,6 +140,15 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=float(os.environ.get("MESHTRAIN_RESYNC_SECONDS", 30)),
         help="longest wait between two reconciles of a job (env MESHTRAIN_RESYNC_SECONDS)",
+    )
+    parser.add_argument(
+        "--reserve-after-seconds",
+        type=float,
+        default=float(
+            os.environ.get("MESHTRAIN_RESERVE_AFTER_SECONDS", capacity_queue.RESERVE_AFTER_SECONDS)
+        ),
+        help="seconds a job waits for GPUs before nodes may be reserved for it (env "
+        "MESHTRAIN_RESERVE_AFTER_SECONDS)",
     )
     parser.add_argument(
         "--progress-seconds",
@@ -315,6 +324,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if not args.reserve_after_seconds >= 0:
+        print("meshtrain operator: --reserve-after-seconds must be 0 or more", file=sys.stderr)
+        return 2
     if args.lease_seconds < MIN_LEASE_SECONDS:
         print(
             f"meshtrain operator: --lease-seconds must be at least {MIN_LEASE_SECONDS}",
@@ -372,6 +384,7 @@ def run(args: argparse.Namespace) -> int:
             container_restart_rules=RESTART_RULES[args.container_restart_rules],
             restart_all_containers=args.restart_all_containers,
             gang=backend,
+            reserve_after_seconds=args.reserve_after_seconds,
         ),
     )
     clusterwide = not args.namespace

@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from meshtrain import placement
@@ -124,20 +125,22 @@ class GangFit:
         demand: feasibility.Demand,
         cap: int | None = None,
         topology: kueue_topology.Assignment | None = None,
+        usage: Mapping[str, feasibility.Usage] | None = None,
     ) -> placement_outcome.Sized:
         """The plan at the size ``placement_outcome.choose`` picks among those runPolicy.elastic allows
         (none above ``cap``), planned largest first until one fits, in the planning worker.
 
         Raises ``planning.DeadlineExceeded`` when that takes longer than the worker's deadline, and
         ``planning.WorkerFailed`` when the worker dies.  ``topology``: Kueue TAS's assignment, the
-        only nodes (and pods per domain) the plan may use.
+        only nodes (and pods per domain) the plan may use; ``usage``: what the pods on each node
+        take (None: the cache's, the job's own replaced pods left out).
         """
         assert job.spec is not None
         declared = job.declared or job.spec
         offered, refusals = capacity.offered_nodes(
             demand,
             raw_nodes,
-            self.cache.usage(without=self.freed_by_replacing(job)),
+            self.cache.usage(without=self.freed_by_replacing(job)) if usage is None else usage,
             gpus_per_pod=declared.resources.gpus_per_node,
             pods_wanted=placement_outcome.most_pods(declared),
             claim=self.claims.get(job.ref.uid),

@@ -24,6 +24,7 @@ from meshtrain.operator import (
     placement_lock,
     planning,
     replan_counts,
+    reserving,
     waiting,
 )
 from meshtrain.operator.cluster import (
@@ -34,6 +35,7 @@ from meshtrain.operator.cluster import (
     kube,
     metrics,
     owned,
+    priorities,
     status_writes,
     workloads,
 )
@@ -41,7 +43,6 @@ from meshtrain.operator.cluster.status_writes import Step
 from meshtrain.operator.policy import (
     builders,
     capacity,
-    capacity_queue,
     conditions,
     devices,
     failure,
@@ -59,6 +60,7 @@ from meshtrain.operator.policy import (
     placement_status,
     pod_state,
     rescheduling,
+    reservation,
     resizing,
     retries,
     torchrun_tier,
@@ -120,6 +122,8 @@ class Placer:
         """Jobs waiting for capacity: whom a capacity change wakes, who holds the reservation."""
         self.replans = replan_counts.Counts()
         """Per waiting job, its plans and the capacity changes that could admit it."""
+        self.priorities = priorities.Priorities(client)
+        """PriorityClass values of jobs' pods: the reservation's order."""
         self._grow_backoff: dict[tuple[str, str], tuple[float, float]] = {}
         """Jobs whose last grow check found no room: (monotonic time of the next check, interval)."""
         self._next_plan: dict[str, float] = {}
@@ -304,11 +308,12 @@ class Placer:
         ref = job.ref
         key = (ref.namespace, ref.name)
         backoff = self._grow_backoff.get(key)
-        if backoff is not None and time.monotonic() < backoff[0]:
+        if backoff is not None and time.monotonic() < backoff[0] or self.waiting.unsettled(ref.uid):
             return body, job, False
         async with self.lock:
             gpu = job.declared.resources.gpu_resource_name
             raw_nodes, nodes, _ = self.fit.candidates(job, gpu, clock.now())
+            raw_nodes, nodes = reserving.outside(self.waiting, ref.uid, raw_nodes, nodes)
             demand = feasibility.demand_of(builders.build_pod(ref, job.declared, 0, 0, ""))
             # Only the size a placement would pick (rules and memory admission included): growing to
             # one it would not pick rebuilds the gang at the running size, again and again.
@@ -424,6 +429,9 @@ class Placer:
         if action.missing is None:
             if self.create_failures.wait(ref.uid, job.generation, time.monotonic()) is not None:
                 return body, job, False  # refused recently: wait (outside the lock) for the backoff
+            if self.waiting.unsettled(ref.uid):  # just restarted: the holder's nodes come first
+                soon = time.monotonic() + reserving.SETTLE_RETRY_SECONDS
+                self._next_plan[ref.uid] = max(self._next_plan.get(ref.uid, 0.0), soon)
             if time.monotonic() < self._next_plan.get(ref.uid, 0.0):
                 self._deferred.add(ref.uid)  # planned as the spacing ends (``spaced_for``)
                 return body, job, False  # its last plan placed nothing: spaced by what it took
@@ -445,6 +453,7 @@ class Placer:
             )
             return await self._unassignable(body, job, unassignable)
         claim = self.fit.claims[ref.uid] = await claims.topology(self.client, ref.namespace, spec)
+        priority = await self.priorities.of(spec)
         async with self.lock:
             if action.missing is not None:
                 return await self._recreate_missing(
@@ -454,11 +463,15 @@ class Placer:
             if self.waiting.unchanged(ref, job.generation):  # a resync: nothing new to plan on
                 return body, job, False
             self.waiting.planning(ref, job.generation)
-            if reserved := self.waiting.held_back(ref, spec, demand):
-                return await self._held_back(body, job, reserved, template)
             step, placed = await self._place_gang(
-                action.attempt, body, job, template, where, claim, action.topology
+                action.attempt, body, job, template, where, claim, action.topology, priority
             )
+            reserved = None  # it waits: the node set it holds, when one is due
+            if placed is None:
+                reserved = await reserving.refresh(self.waiting, self.fit, step[1], demand)
+        if reserved is not None:
+            said = reservation.described(reserved)
+            await self.writer.emit(step[0], "Normal", conditions.NODES_RESERVED, said)
         if placed is None:
             return step
         return await self._create(step, *placed)
@@ -484,24 +497,6 @@ class Placer:
         )
         await self.writer.emit(body, "Normal", conditions.GANG_PLACED, outcome.message)
         return body, job, True
-
-    async def _held_back(
-        self,
-        body: dict[str, Any],
-        job: job_state.JobState,
-        reserved: capacity_queue.Waiting,
-        template: dict[str, Any],
-    ) -> Step:
-        """Another job holds the reservation and this one could take the slots it waits for: wait
-        (no plan; woken when a capacity change could admit it beside the holder)."""
-        assert job.spec is not None
-        self.waiting.enter(
-            job.ref, job.spec, feasibility.demand_of(template), self._beside_own(job)
-        )
-        message = capacity_queue.message(reserved)
-        unplaced = placement_outcome.unplaced(job, conditions.RESERVED, message, clock.now())
-        said = f"{job.ref.namespace}/{job.ref.name} waits: {message}"
-        return await self._write_unplaced(body, job, unplaced, said)
 
     def _beside_own(self, job: job_state.JobState) -> bool:
         """Whether the job still has pods holding resources: its plan may use what they free,
@@ -581,15 +576,17 @@ class Placer:
         where: kueue_workload.Assignment,
         claim: volumes.Topology | None,
         topology: kueue_topology.Assignment | None = None,
+        priority: int = 0,
     ) -> tuple[Step, tuple[placement_outcome.Placed, creating.Gang] | None]:
-        """Plan the whole gang and write what the plan comes to; placed, the gang's children to
-        create, its pods assumed in the cache."""
+        """Plan the whole gang (off the nodes reserved for another job) and write what the plan
+        comes to; placed, the gang's children to create, its pods assumed in the cache."""
         assert job.spec is not None
         ref = job.ref
         started = time.perf_counter()
         now = clock.now()
         gpu = job.spec.resources.gpu_resource_name
         raw_nodes, nodes, avoid = self.fit.candidates(job, gpu, now)
+        raw_nodes, nodes = reserving.outside(self.waiting, ref.uid, raw_nodes, nodes)
         demand = feasibility.demand_of(template)
         cap = resizing.largest_allowed(job.declared or job.spec, job.status, now)
         if ref.uid in self.waiting.entries:  # it waited: a wake-up (or its resync) plans it again
@@ -616,7 +613,10 @@ class Placer:
             time.perf_counter() - started
         )
         if isinstance(outcome, placement_outcome.Unplaced):
-            self.waiting.enter(ref, job.declared or sized.spec, demand, self._beside_own(job))
+            outcome = reserving.unplaced(self.waiting, job, demand, outcome)
+            since = reservation.since_of(job.status, now)
+            declared, beside = job.declared or sized.spec, self._beside_own(job)
+            self.waiting.enter(ref, declared, demand, beside, since, priority)
             took = self.fit.worker.last_seconds
             self._next_plan[ref.uid] = time.monotonic() + PLAN_SPACING * took
             if took >= SLOW_PLAN_SECONDS:

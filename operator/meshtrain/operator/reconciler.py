@@ -31,6 +31,7 @@ from meshtrain.operator.cluster import (
 from meshtrain.operator.cluster.status_writes import Step
 from meshtrain.operator.policy import (
     builders,
+    capacity_queue,
     checkpoint_condition,
     conditions,
     feasibility,
@@ -91,6 +92,8 @@ class Settings:
     (:func:`resolved`) and every node of the gang declares it (``kubelet_tier.declares_all``)."""
     gang: gang_backend.GangBackend = gang_backend.AUTO
     """Who binds each gang all or nothing (``--gang-backend`` and its settings)."""
+    reserve_after_seconds: float = capacity_queue.RESERVE_AFTER_SECONDS
+    """Seconds a job waits for GPUs before it may hold the reservation (``--reserve-after-seconds``)."""
 
 
 async def resolved(client: kube.Client, settings: Settings) -> Settings:
@@ -171,6 +174,7 @@ class Reconciler:
             restart_all=settings.restart_all_containers,
             gang=settings.gang,
         )
+        self.placer.waiting.reserve_after = settings.reserve_after_seconds
         self.replacer = replacing.Replacer(self.placer)
         self.spares = sparing.Spares(self.placer)
         self.progress = progress_client.Poller(
@@ -245,7 +249,10 @@ class Reconciler:
             kueue_topology.CONFLICT,  # room may come back inside Kueue's assignment
             conditions.RESERVED,  # room comes back once the reservation's holder starts
         )
-        if not waiting:  # placed, finished, suspended: it holds no place in the queue
+        unadmitted = (queue is not None or kueue is not None) and not isinstance(
+            admitted, kueue_workload.Admitted
+        )
+        if not waiting or unadmitted:  # placed, finished, suspended (by Kueue too): no place
             self.placer.waiting.leave(job.ref)
         metrics.observe_job(body, unschedulable=waiting, placed_condition=placed)
         requeue = decision.requeue_after
@@ -349,7 +356,8 @@ class Reconciler:
             return replaced or await self._all(action.otherwise, body, job)
         if isinstance(action, job_actions.ReplaceStraggler):
             slow = frozenset(action.nodes)
-            fits = await self.fit.fits_without(job, slow, clock.now(), action.topology)
+            kept = self.placer.waiting.excluded(job.ref.uid)  # a rebuild may not take them
+            fits = await self.fit.fits_without(job, slow | kept, clock.now(), action.topology)
             changed = False
             for step in action.replaced if fits else action.otherwise:
                 body, job, did = await self._act(step, body, job)

@@ -34,6 +34,7 @@ from meshtrain.operator.policy import (
     kueue_workload,
     naming,
     replacement,
+    reservation,
 )
 from meshtrain.placement import replacement as choice
 from meshtrain.planner import placement_request
@@ -210,6 +211,13 @@ class Replacer:
             held = [identity.planned_node(p) or "" for p in spare_pods]
             free = kueue_topology.replacement_room(free, survivors, held, labels, action.topology)
         request = placement_request.request_from_spec(spec)
+        kept = self.placer.waiting.excluded(job.ref.uid)  # the reservation's nodes: a last resort
+        if kept:
+            away = choice.replace(
+                request, on, fresh, every, reservation.outside(free, kept), spares
+            )
+            if not isinstance(away, placement.Unschedulable):
+                return away
         return choice.replace(request, on, fresh, every, free, spares)
 
     async def _release(self, job: job_state.JobState, attempt: int, nodes: tuple[str, ...]) -> None:

@@ -32,6 +32,7 @@ from meshtrain.operator.policy import (
     kueue_workload,
     naming,
     replacement,
+    reservation,
     retries,
 )
 from meshtrain.placement import replacement as choice
@@ -113,7 +114,9 @@ class Spares:
         if want == 0:
             self.short.forget(ref.uid)
         elif (
-            len(kept) < want and self.short.wait(ref.uid, job.generation, time.monotonic()) is None
+            len(kept) < want
+            and self.short.wait(ref.uid, job.generation, time.monotonic()) is None
+            and not placer.waiting.unsettled(ref.uid)  # just restarted: the holder's nodes first
         ):
             taken = {p["metadata"]["name"] for p in spare_pods(pods)}
             where = await workloads.flavors(placer.client, flavors)
@@ -163,6 +166,7 @@ class Spares:
             ask=devices.ask_of(spec, placer.cache.inventory()),
         )
         free = {n.name: n.allocatable_gpus // per_pod for n in offered}
+        free = reservation.outside(free, placer.waiting.excluded(ref.uid))  # never reserved nodes
         placed = replacement.entries(job.status)
         on = [str((placed.get(i) or {}).get("node") or "") for i in range(spec.pods)]
         every = [placement.node_from_manifest(n, gpu) for n in placer.cache.nodes.values()]

@@ -1,8 +1,9 @@
 """The jobs of one operator process waiting for capacity: :class:`Queue`.
 
 The placer enters a job whose plan placed nothing and removes it once placed; the wake-ups ask
-which waiting jobs a capacity change could admit, and the placer whether the reservation holds a
-job back (the rules are ``policy.capacity_queue``'s).  Free pod slots are counted on the informer's
+which waiting jobs a capacity change could admit, and the placer which nodes the reservation
+keeps from a job (the rules are ``policy.capacity_queue``'s and ``policy.reservation``'s; the
+node set is planned by ``reserving``).  Free pod slots are counted on the informer's
 nodes and usage, once per pod shape per question (at most :data:`MAX_SHAPES` shapes: beyond
 them, and for DRA jobs, a job's shape is unknown and it is always woken).
 
@@ -19,8 +20,8 @@ import time
 from collections.abc import Hashable, Iterable
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.cluster import informer
-from meshtrain.operator.policy import capacity_queue, feasibility, identity, resizing
+from meshtrain.operator.cluster import clock, informer
+from meshtrain.operator.policy import capacity_queue, feasibility, identity, reservation, resizing
 
 Key = tuple[str, str]
 """(namespace, name) of a job."""
@@ -74,6 +75,18 @@ class Queue:
         self._verdicts: dict[str, tuple[tuple[int, int, str | None], bool]] = {}
         """UID -> ((:attr:`seq`, generation, holder UID), whether :meth:`unchanged`): the free
         slots are counted once per change, not at every resync."""
+        self.reserve_after = capacity_queue.RESERVE_AFTER_SECONDS
+        """Seconds a job waits before it may hold the reservation (``--reserve-after-seconds``)."""
+        self.reservation: reservation.Reservation | None = None
+        """The node set kept for the holder, as last planned (``reserving``)."""
+        self._may_hold: set[str] | None = None
+        """UIDs of the jobs that may hold by their objects when this process first asked
+        (:meth:`unsettled`), until each had its node set asked for here."""
+        self._settle_until = 0.0
+        """Monotonic time past which :meth:`unsettled` answers False whatever is left."""
+        self._unfit: dict[str, int] = {}
+        """UID -> node changes when its reservation's plan found no place: it may not hold until
+        the nodes change."""
 
     def capacity_changed(self) -> None:
         """Nodes changed or GPUs were freed (the informer's wake-up)."""
@@ -97,7 +110,7 @@ class Queue:
         does not admit it: no capacity change since, the same generation (a resync: no plan)."""
         if ref.uid not in self.entries or ref.uid in self.kueue:
             return False  # Kueue's admissions and reassignments wake its jobs: they plan
-        if self._planned.get(ref.uid) != (self.seq, generation):
+        if self._planned.get(ref.uid) != (self.seq, generation) or self.reservation_due(ref.uid):
             return False
         reserved = self.holder()  # the verdict changes with capacity or the holder: asked once
         mark = (self.seq, generation, None if reserved is None else reserved.uid)
@@ -112,10 +125,14 @@ class Queue:
         spec: api_spec.TrainingJobSpec,
         demand: feasibility.Demand,
         unknown: bool = False,
+        since: float | None = None,
+        priority: int = 0,
     ) -> capacity_queue.Waiting:
         """The job waits (since the first time: a job entered again keeps its place).
 
-        ``unknown``: slot counts do not bound its plan (it re-places beside its own pods).
+        ``unknown``: slot counts do not bound its plan (it re-places beside its own pods);
+        ``since``: when it began to wait (``reservation.since_of``; None: now), ``priority``: its
+        PriorityClass value.
         """
         unknown = unknown or bool(self.cache.inventory().devices)  # slices may serve it
         need = need_of(spec, demand, unknown)
@@ -128,9 +145,13 @@ class Queue:
         misses = 0 if found is None else found.misses
         if found is not None and self.holder() == found and self._short(found) is False:
             misses += 1  # it held, its count was free, and its plan placed nothing
-        since = found.since if found is not None else time.monotonic()
+        began = [t for t in (since, None if found is None else found.since) if t is not None]
         fits = need.shape is None or self._fits_drained(need.shape, need.pods)
-        entry = self.entries[ref.uid] = capacity_queue.Waiting(ref.uid, need, since, fits, misses)
+        if self._unfit.get(ref.uid) == self.cache.nodes.changes:
+            fits = False  # its reservation's plan found no place even with our pods gone
+        entry = self.entries[ref.uid] = capacity_queue.Waiting(
+            ref.uid, need, min(began, default=time.time()), fits, misses, priority
+        )
         self._uids[(ref.namespace, ref.name)] = ref.uid
         self.specs[ref.uid] = spec
         if found is not None:
@@ -146,8 +167,19 @@ class Queue:
         self._verdicts.pop(ref.uid, None)
         if self._uids.get((ref.namespace, ref.name)) == ref.uid:
             del self._uids[(ref.namespace, ref.name)]
+        if self.reservation is not None and self.reservation.holder == ref.uid:
+            self.reservation = None
+        self._unfit.pop(ref.uid, None)
+        self.settled(ref.uid)  # placed or gone: nobody waits for its node set
         if left is not None:
             self._prune(left.need.shape)
+
+    def unfit(self, uid: str) -> None:
+        """Job ``uid`` found no place even with meshtrain's pods gone: it holds no more (until
+        the nodes change)."""
+        if (entry := self.entries.get(uid)) is not None:
+            self.entries[uid] = dataclasses.replace(entry, fits_drained=False)
+            self._unfit[uid] = self.cache.nodes.changes
 
     def _prune(self, shape: Hashable | None) -> None:
         """Forget ``shape``'s demand once no waiting job has it."""
@@ -155,10 +187,13 @@ class Queue:
             self._demands.pop(shape, None)
 
     def _short(self, entry: capacity_queue.Waiting) -> bool | None:
-        """Whether the free slots are fewer than the entry's pods (None: unknown shape)."""
+        """Whether the free slots are fewer than the entry's pods (None: unknown shape), counted
+        on its reserved nodes once they are planned."""
         if entry.need.shape is None:
             return None
-        return self.free_slots(entry.need.shape) < entry.need.pods
+        kept = self.reservation
+        only = kept.nodes if kept is not None and kept.holder == entry.uid else None
+        return self.free_slots(entry.need.shape, only=only) < entry.need.pods
 
     def _fits_drained(self, shape: Hashable, pods: int) -> bool:
         """Whether ``pods`` of ``shape`` fit the nodes with nothing running on them."""
@@ -169,68 +204,87 @@ class Queue:
                 return True
         return False
 
-    def free_slots(self, shape: Hashable, beside: feasibility.Demand | None = None) -> int:
-        """Pods of ``shape`` the nodes could take now, each node counted on its own (only on
-        nodes where a pod of ``beside`` also fits, when given)."""
+    def free_slots(
+        self,
+        shape: Hashable,
+        excluding: frozenset[str] = frozenset(),
+        only: frozenset[str] | None = None,
+    ) -> int:
+        """Pods of ``shape`` the nodes could take now, each node counted on its own (leaving the
+        ``excluding`` nodes out; only the ``only`` nodes, when given)."""
         demand = self._demands[shape]
         total = 0
         for node in self.cache.nodes.values():
             name = (node.get("metadata") or {}).get("name") or ""
-            used = self.cache.node_usage(name) or feasibility.Usage()
-            if beside is not None and feasibility.slots(beside, node, used, 1) == 0:
+            if name in excluding or (only is not None and name not in only):
                 continue
+            used = self.cache.node_usage(name) or feasibility.Usage()
             total += feasibility.slots(demand, node, used, 1 << 30)
         return total
 
     def holder(self) -> capacity_queue.Waiting | None:
         """The job holding the reservation, if any (``capacity_queue.holder``)."""
         ours = (w for uid, w in self.entries.items() if uid not in self.kueue)
-        return capacity_queue.holder(ours, time.monotonic())
+        return capacity_queue.holder(ours, time.time(), self.reserve_after)
 
-    def held_back(
-        self, ref: identity.JobRef, spec: api_spec.TrainingJobSpec, demand: feasibility.Demand
-    ) -> capacity_queue.Waiting | None:
-        """The reservation's holder when it holds this job back, else None."""
-        reserved = self.holder()
-        if reserved is None or reserved.uid == ref.uid or ref.uid in self.kueue:
-            return None
-        assert reserved.need.shape is not None  # an unknown shape never holds
-        free = self.free_slots(reserved.need.shape)
-        reachable = self.free_slots(reserved.need.shape, beside=demand)
-        need = need_of(spec, demand)
-        held = capacity_queue.held_back(ref.uid, need, reserved, free, reachable)
-        return reserved if held else None
+    def basis(self) -> tuple[int, int]:
+        """(node changes, capacity changes) so far: a reservation planned on them is current."""
+        return self.cache.nodes.changes, self.seq
+
+    def reservation_due(self, uid: str) -> bool:
+        """Whether job ``uid`` holds the reservation and its node set is to be planned now."""
+        held = self.holder()
+        if held is None or held.uid != uid:
+            return False
+        return reservation.due(self.reservation, uid, self.basis(), time.monotonic())
+
+    def unsettled(self, uid: str) -> bool:
+        """Whether another job than ``uid`` may hold (its condition says it waited long enough)
+        but this process has not asked for its node set yet: just after a restart or failover,
+        for :data:`reservation.SETTLE_SECONDS` at most.  Other paths that take GPUs wait."""
+        now = time.monotonic()
+        if self._may_hold is None:
+            self._settle_until = now + reservation.SETTLE_SECONDS
+            stamp = clock.now()
+            self._may_hold = {
+                str(job["metadata"].get("uid"))
+                for job in self.cache.jobs.values()
+                if reservation.may_hold(job, stamp, self.reserve_after)
+            } - self._planned.keys()  # planned here already: asked for its node set then
+        if now >= self._settle_until:
+            self._may_hold.clear()
+        return uid not in self._may_hold and bool(self._may_hold)
+
+    def settled(self, uid: str) -> None:
+        """This process asked for job ``uid``'s node set (planned, not due, or it placed)."""
+        if self._may_hold is not None:
+            self._may_hold.discard(uid)
+
+    def reserved_nodes(self) -> frozenset[str]:
+        """The nodes kept for the holder (none while its node set is not planned)."""
+        held = self.holder()
+        if held is None or self.reservation is None or self.reservation.holder != held.uid:
+            return frozenset()
+        return self.reservation.nodes
+
+    def excluded(self, uid: str) -> frozenset[str]:
+        """The reserved nodes job ``uid`` may not take (``reservation.excluded``)."""
+        kept = self.reserved_nodes()
+        return reservation.excluded(self.reservation, uid) if kept else kept
 
     def wake(self, keys: Iterable[Key]) -> list[Key]:
         """Of the waiting jobs ``keys``, those a capacity change could admit (unknown ones too):
-        their pods fit in the free slots, and the reservation does not hold them back."""
+        their pods fit in the free slots, outside the reserved nodes unless they hold them."""
         needs = {}
         for key in keys:
             entry = self.entries.get(self._uids.get(key, ""))
             needs[key] = entry.need if entry is not None else None
-        counted: dict[Hashable, int] = {}
-
-        def free(shape: Hashable) -> int:
-            if shape not in counted:
-                counted[shape] = self.free_slots(shape)
-            return counted[shape]
-
-        found = capacity_queue.admissible(needs, free)
-        reserved = self.holder()
-        if reserved is None or reserved.need.shape is None:
-            return found
-        kept: list[Key] = []
-        beside: dict[Hashable, int] = {}
-        for key in found:
-            need, uid = needs[key], self._uids.get(key, "")
-            if need is None or need.shape is None or uid in self.kueue:
-                kept.append(key)
-                continue
-            if need.shape not in beside:
-                demand = self._demands[need.shape]
-                beside[need.shape] = self.free_slots(reserved.need.shape, beside=demand)
-            reachable = beside[need.shape]
-            free_now = free(reserved.need.shape)
-            if not capacity_queue.held_back(uid, need, reserved, free_now, reachable):
-                kept.append(key)
-        return kept
+        held = self.holder()
+        holds = {k for k in needs if held is not None and self._uids.get(k) == held.uid}
+        reserved = self.reserved_nodes()
+        found = set(capacity_queue.admissible({k: needs[k] for k in holds}, self.free_slots))
+        others = {k: n for k, n in needs.items() if k not in holds}
+        found.update(
+            capacity_queue.admissible(others, lambda s: self.free_slots(s, excluding=reserved))
+        )
+        return [key for key in needs if key in found]

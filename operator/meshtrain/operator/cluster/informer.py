@@ -23,7 +23,15 @@ from typing import Any, Protocol, TypeVar
 
 from meshtrain.api import limits
 from meshtrain.operator.cluster import api_errors, assumed, device_cache, kube
-from meshtrain.operator.policy import capacity, devices, feasibility, identity, naming
+from meshtrain.operator.policy import (
+    capacity,
+    conditions,
+    devices,
+    feasibility,
+    identity,
+    kueue_workload,
+    naming,
+)
 
 logger = logging.getLogger("meshtrain.operator")
 
@@ -181,13 +189,25 @@ def trim_node(node: kube.Body, shared: Callable[[Any], Any] = _unshared) -> kube
 
 def trim_job(job: kube.Body) -> kube.Body:
     """A TrainingJob as the cache keeps it: whether it is live, its UID, and which gated pods hold
-    which nodes (``status.restarts`` and ``status.placement``, ``capacity.live_owner``)."""
+    which nodes (``status.restarts`` and ``status.placement``, ``capacity.live_owner``); its Kueue
+    queue label and ``Placed`` condition (whether it may hold the reservation after a restart,
+    ``reservation.may_hold``)."""
     metadata = job.get("metadata") or {}
+    status = job.get("status") or {}
+    labels = _pick(metadata.get("labels"), (kueue_workload.QUEUE_LABEL,))
+    found = conditions.find(status.get("conditions") or [], conditions.PLACED)
+    placed = _pick(found, ("type", "status", "reason", "lastTransitionTime"))  # not the message
+    if status.get("phase") in FINISHED:
+        placed = {}  # it holds nothing: a change there is no news (``_wake`` wakes at finished jobs)
     return {
-        "metadata": _pick(
-            metadata, ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp")
-        ),
-        "status": _pick(job.get("status"), ("phase", "restarts", "placement")),
+        "metadata": {
+            **_pick(metadata, ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp")),
+            **({"labels": labels} if labels else {}),
+        },
+        "status": {
+            **_pick(status, ("phase", "restarts", "placement")),
+            **({"conditions": [placed]} if placed else {}),
+        },
     }
 
 

@@ -104,6 +104,13 @@ ASSUMPTIONS_EXPIRED = prometheus_client.Counter(
     "meshtrain_operator_assumed_pods_expired",
     "Pods assumed on their planned node whose assumption ran out before the pod appeared.",
 )
+RESERVATION_PLANS = prometheus_client.Counter(
+    "meshtrain_operator_reservation_plans",
+    "Plans of the node set reserved for the job that waited longest (reserving.refresh): one per "
+    "new holder, at most one per 30 s of capacity or node changes after that; by the holder's "
+    "namespace.",
+    labelnames=("namespace",),
+)
 PLACEMENT_FAILURE_REASONS = (
     placement.INSUFFICIENT_GPUS,
     placement.TOPOLOGY_UNSATISFIABLE,

@@ -1,5 +1,5 @@
-"""Which waiting gangs a capacity change wakes, and the reservation that bounds the wait of the
-largest.  Pure.
+"""Which waiting gangs a capacity change wakes, and who holds the reservation that bounds the
+wait of the largest.  Pure.
 
 A job whose plan placed nothing waits for capacity.  When GPUs free up or nodes change, only the
 waiting jobs that the fleet's free pod slots could now hold are woken (:func:`admissible`): a
@@ -7,27 +7,26 @@ count of slots is a necessary condition of any plan, so no job that could start 
 Where the count is not known to be necessary (DRA claims, slices, a job re-placing beside its
 own pods, too many distinct shapes) the shape is unknown (None) and the job is always woken.
 
-Small jobs arriving all the time would otherwise take every freed slot before a large gang ever
-sees enough of them.  Once a job has waited :data:`RESERVE_AFTER_SECONDS`, the longest-waiting
-job that may hold (:func:`holder`: a known shape, room for it on an empty fleet, fewer than
-:data:`PASS_ON_AFTER` plans that found enough slots yet placed nothing) holds a reservation: no
-other job is placed if the slots it could take on nodes the holder can use would leave the
-holder's count short (:func:`held_back`).  The reservation counts slots, not nodes: it keeps a
-slot count, not a topology domain, free for the holder (see docs/operator.md, "Under churn").
+Small jobs arriving all the time would otherwise take every freed GPU before a large gang ever
+sees enough of them.  Of the jobs that have waited :data:`RESERVE_AFTER_SECONDS` (counted from
+their ``Placed=False`` condition's transition, so an operator restart keeps it), the one of the
+highest priority, then the longest waiting, that may hold (:func:`holder`: a known shape, room
+for it on an empty fleet, fewer than :data:`PASS_ON_AFTER` plans that found its reserved nodes
+free yet placed nothing) holds the reservation: a node set kept for it
+(``policy.reservation``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import TypeVar
 
 RESERVE_AFTER_SECONDS = 300.0
-"""A job waiting this long holds the reservation when it has waited longest of those waiting."""
+"""A job waiting this long may hold the reservation (the default of ``--reserve-after-seconds``)."""
 PASS_ON_AFTER = 3
-"""Plans that found the holder's slot count free yet placed nothing (its topology, not the count,
-refuses it) after which it passes the reservation on to the next-longest waiting job."""
+"""Plans that found the holder's reserved nodes free (before they are planned: its slot count)
+yet placed nothing after which it passes the reservation on to the next job in line."""
 
 _K = TypeVar("_K", bound=Hashable)
 
@@ -54,11 +53,13 @@ class Waiting:
     need: Need
     """What it waits for."""
     since: float
-    """Monotonic time its first plan in this operator process placed nothing."""
+    """When it began to wait, in seconds since the epoch (``reservation.since_of``)."""
     fits_drained: bool = True
     """Whether its pods fit the nodes it may use with nothing running there (else it never holds)."""
     misses: int = 0
-    """Plans while it held the reservation that found its slot count free yet placed nothing."""
+    """Plans while it held the reservation that found its nodes free yet placed nothing."""
+    priority: int = 0
+    """Its pods' PriorityClass value (0 without a class): the highest holds first."""
 
 
 def admissible(
@@ -81,46 +82,17 @@ def admissible(
     return found
 
 
-def holder(waiting: Iterable[Waiting], now: float) -> Waiting | None:
-    """The job holding the reservation: the longest waiting of those that may hold, once it has
-    waited long enough."""
+def holder(
+    waiting: Iterable[Waiting], now: float, after: float = RESERVE_AFTER_SECONDS
+) -> Waiting | None:
+    """The job holding the reservation: of those that may hold and have waited ``after``
+    seconds by ``now`` (seconds since the epoch), the highest priority, then the longest waiting."""
     eligible = (
         w
         for w in waiting
-        if w.need.shape is not None and w.fits_drained and w.misses < PASS_ON_AFTER
+        if w.need.shape is not None
+        and w.fits_drained
+        and w.misses < PASS_ON_AFTER
+        and now - w.since >= after
     )
-    oldest = min(eligible, key=lambda w: (w.since, w.uid), default=None)
-    if oldest is None or now - oldest.since < RESERVE_AFTER_SECONDS:
-        return None
-    return oldest
-
-
-def slots_taken(job: Need, of: Need) -> int:
-    """Slots of ``of``'s shape that ``job``'s pods can take at most (each pod may break one or
-    more of them)."""
-    return job.pods * max(1, math.ceil(job.gpus_per_pod / max(1, of.gpus_per_pod)))
-
-
-def held_back(
-    uid: str, need: Need, reserved: Waiting | None, holder_free: int, reachable: int | None = None
-) -> bool:
-    """Whether a job must wait for the reservation: another job holds it and placing this one
-    could leave fewer than the holder's pods in the holder's free slots (``holder_free``).
-
-    ``reachable``: the holder's free slots on nodes this job's pods may also use; it takes no more
-    (None: all of ``holder_free``).
-    """
-    if reserved is None or reserved.uid == uid:
-        return False
-    taken = slots_taken(need, reserved.need)
-    if reachable is not None:
-        taken = min(taken, reachable)
-    return taken > 0 and holder_free - taken < reserved.need.pods
-
-
-def message(reserved: Waiting) -> str:
-    """Why a held-back job waits (stable while the same job holds the reservation)."""
-    return (
-        f"GPUs are reserved for the job waiting longest ({reserved.need.pods} pod(s), waiting "
-        f"over {RESERVE_AFTER_SECONDS:.0f} s): placed once it starts or the room beside it suffices"
-    )
+    return min(eligible, key=lambda w: (-w.priority, w.since, w.uid), default=None)

@@ -68,8 +68,12 @@ PLANNING_DEADLINE_EXCEEDED = "PlanningDeadlineExceeded"
 PLANNING_FAILED = "PlanningFailed"
 """The planning worker died or did not start (e.g. out of memory): Placed=False, planned again at the next pass."""
 RESERVED = "ReservedForLongestWaiting"
-"""Placed=False: another job has waited longest (``policy.capacity_queue``) and placing this one could take
-the GPUs it waits for: this one waits, unplanned, until that one starts or room beside it suffices."""
+"""Placed=False: nodes are reserved for the job that waited longest (``policy.reservation``), one
+of them had room for this job, and no placement beside them fits: it waits until the holder
+starts or room beside the reserved nodes frees."""
+NODES_RESERVED = "NodesReserved"
+"""Event on the reservation's holder: the nodes planned for it, kept from every other job
+(``policy.reservation``)."""
 SCHEDULER_REFUSED = "SchedulerRefused"
 """kube-scheduler refused a released pod on its planned node: the gang is placed again without that node."""
 RECONCILE_FAILING = "ReconcileFailing"

@@ -1,0 +1,123 @@
+"""The reservation's node set: planned for its holder, kept from every other path that takes GPUs.
+
+``policy.reservation`` says what the reservation is and who may use it; here the holder's node
+set is planned (``gang_fit`` on the cache, in the planning worker, under the placer's lock, at
+most as often as ``reservation.due`` allows) and applied to the nodes a plan, a grow, a spare or
+a replacement may take.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from meshtrain import placement
+from meshtrain.operator import gang_fit, planning, waiting
+from meshtrain.operator.cluster import clock, metrics
+from meshtrain.operator.policy import (
+    conditions,
+    feasibility,
+    job_state,
+    placement_outcome,
+    reservation,
+    resizing,
+)
+
+logger = logging.getLogger("meshtrain.operator")
+
+SETTLE_RETRY_SECONDS = 1.0
+"""A plan that waits for the holder's node set after a restart (``waiting.Queue.unsettled``) is
+tried again this soon."""
+
+
+async def refresh(
+    queue: waiting.Queue, fit: gang_fit.GangFit, job: job_state.JobState, demand: feasibility.Demand
+) -> reservation.Reservation | None:
+    """Plan the node set kept for ``job``, whose plan placed nothing, when it holds the
+    reservation and a plan is due (the new reservation; None: none was due).
+
+    Planned at its smallest allowed size (the plan tries larger ones first, and takes any that
+    fits), on the nodes it may use, with the GPUs of meshtrain's own pods counted free.  No place
+    even then: it may not hold (the reservation passes on).  A plan that got no verdict keeps no
+    nodes until the next is due.
+    """
+    ref = job.ref
+    try:
+        if queue.reservation_due(ref.uid):
+            return await _plan(queue, fit, job, demand)
+        return None
+    finally:
+        queue.settled(ref.uid)
+
+
+async def _plan(
+    queue: waiting.Queue, fit: gang_fit.GangFit, job: job_state.JobState, demand: feasibility.Demand
+) -> reservation.Reservation:
+    """The holder's node set, planned now (see :func:`refresh`)."""
+    assert job.spec is not None
+    ref, declared = job.ref, job.declared or job.spec
+    raw_nodes, nodes, _ = fit.candidates(job, declared.resources.gpu_resource_name, clock.now())
+    drained = fit.cache.usage(without=reservation.ours(fit.cache.pods.values()))
+    smallest = min(spec.parallelism.data for _, spec in resizing.candidates(declared))
+    metrics.RESERVATION_PLANS.labels(namespace=ref.namespace).inc()
+    try:
+        sized = await fit.plan_sizes(job, raw_nodes, nodes, demand, smallest, usage=drained)
+    except (planning.DeadlineExceeded, planning.WorkerFailed) as err:
+        logger.info("%s/%s: reservation not planned: %s", ref.namespace, ref.name, err)
+        sized = None
+    answer = None if sized is None else sized.answer
+    kept = frozenset(answer.nodes) if isinstance(answer, placement.Placement) else frozenset()
+    planned = reservation.Reservation(ref.uid, kept, queue.basis(), time.monotonic())
+    queue.reservation = planned
+    if sized is not None and not kept:
+        queue.unfit(ref.uid)
+        logger.info(
+            "%s/%s: no place even with meshtrain's pods gone: holds no reservation",
+            *(ref.namespace, ref.name),
+        )
+        return planned
+    logger.info(
+        "%s/%s holds the reservation: %d node(s) kept for it", ref.namespace, ref.name, len(kept)
+    )
+    return planned
+
+
+def outside(
+    queue: waiting.Queue,
+    uid: str,
+    raw_nodes: list[dict[str, Any]],
+    nodes: list[placement.Node],
+) -> tuple[list[dict[str, Any]], list[placement.Node]]:
+    """The candidate nodes (raw, and as the planner sees them) job ``uid`` may take."""
+    kept = queue.excluded(uid)
+    if not kept:
+        return raw_nodes, nodes
+    return (
+        [n for n in raw_nodes if (n.get("metadata") or {}).get("name") not in kept],
+        [n for n in nodes if n.name not in kept],
+    )
+
+
+def unplaced(
+    queue: waiting.Queue,
+    job: job_state.JobState,
+    demand: feasibility.Demand,
+    outcome: placement_outcome.Unplaced,
+) -> placement_outcome.Unplaced:
+    """``outcome``, said as waiting for the reservation when a reserved node has room for a pod
+    of the job now (the reserved nodes kept it from placing, as far as the cache can tell)."""
+    kept = queue.excluded(job.ref.uid)
+    held = queue.holder()
+    if not kept or held is None:
+        return outcome
+    usage = queue.cache.usage()
+    room = any(
+        feasibility.slots(demand, node, usage.get(name) or feasibility.Usage(), 1) > 0
+        for name in kept
+        if (node := queue.cache.nodes.get(("", name))) is not None
+    )
+    if not room:
+        return outcome
+    message = reservation.message(held.need.pods, len(kept))
+    return placement_outcome.unplaced(job, conditions.RESERVED, message, clock.now())
