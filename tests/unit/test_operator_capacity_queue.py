@@ -358,10 +358,10 @@ def test_a_holder_whose_count_was_free_yet_did_not_fit_passes_the_reservation_on
     assert cache.nodes
 
 
-def test_a_resync_plans_a_waiting_job_only_after_a_capacity_change_or_a_new_generation(
+def test_a_resync_plans_a_waiting_job_only_after_a_capacity_change_that_could_admit_it_or_a_new_generation(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _, queue, _ = _three_free_nodes(monkeypatch)
+    cache, queue, _ = _three_free_nodes(monkeypatch)
     large = _job("large", 4)
     ref = large[0]
     assert queue.unchanged(ref, 1) is False  # never planned: plan
@@ -369,6 +369,9 @@ def test_a_resync_plans_a_waiting_job_only_after_a_capacity_change_or_a_new_gene
     queue.enter(*large)  # 3 free < 4: it waits
     assert queue.unchanged(ref, 1) is True  # a resync: nothing new, no plan
     assert queue.unchanged(ref, 2) is False  # its spec changed
+    queue.capacity_changed()  # a change that leaves 3 free slots: it could not admit the job
+    assert queue.unchanged(ref, 1) is True
+    cache.pods.remove(_bound("busy", "n0"))  # the fourth node frees: 4 slots
     queue.capacity_changed()
     assert queue.unchanged(ref, 1) is False
     assert queue.missed(("ns", "large")) is True  # a change since its plan started

@@ -106,11 +106,13 @@ class Queue:
         return planned is not None and planned[0] != self.seq
 
     def unchanged(self, ref: identity.JobRef, generation: int) -> bool:
-        """Whether a plan of this waiting job would see what its last one saw and the wake-up rule
-        does not admit it: no capacity change since, the same generation (a resync: no plan)."""
+        """Whether this waiting job needs no plan: the same generation as its last plan, and the
+        wake-up rule does not admit it on the capacity there is now (a capacity change that could
+        not admit it, or none at all, plans nothing: issue #36's one plan per admitting change)."""
         if ref.uid not in self.entries or ref.uid in self.kueue:
             return False  # Kueue's admissions and reassignments wake its jobs: they plan
-        if self._planned.get(ref.uid) != (self.seq, generation) or self.reservation_due(ref.uid):
+        planned = self._planned.get(ref.uid)
+        if planned is None or planned[1] != generation or self.reservation_due(ref.uid):
             return False
         reserved = self.holder()  # the verdict changes with capacity or the holder: asked once
         mark = (self.seq, generation, None if reserved is None else reserved.uid)
