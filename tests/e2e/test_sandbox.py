@@ -273,6 +273,18 @@ def _gang_logs(paths: supervisor.Paths, namespace: str, name: str, attempt: int)
     )
 
 
+RESUMED = re.compile(r"resumed from (\S+) \(step (\d+)(?:, written by job uid ([0-9a-f-]+))?\)")
+"""Global rank 0's line when a gang loads a storage checkpoint (``Checkpointer.restore`` in
+trainer/meshtrain/trainer/checkpointing/checkpointer.py): ``resumed from <dir> (step N, written
+by job uid U)``; the writer's UID is there when the checkpoint's marker records it (every
+checkpoint a pod writes, docs/checkpoints.md)."""
+
+
+def _resumes(logs: str) -> list[tuple[str, int, str | None]]:
+    """Every storage resume in ``logs``: (checkpoint directory, step, writer's job UID or None)."""
+    return [(m[1], int(m[2]), m[3]) for m in RESUMED.finditer(logs)]
+
+
 def _kill_container(paths: supervisor.Paths, pod: dict) -> int:
     """SIGKILL a pod's container from the host, as a crashed node process would die; returns its pid."""
     container = pod["status"]["containerStatuses"][0]["containerID"].removeprefix("containerd://")
@@ -360,11 +372,19 @@ def test_layout_change_rebuilds_the_gang_and_resumes_resharded(
     assert status["layout"] == "dp4·pp1·tp1" and status["restarts"] == 0
     assert not old_pods & {p["metadata"]["uid"] for p in _pods(paths, name)}
     assert _saved_steps(checkpoints)[-1] == steps
-    resumed = re.search(r"resumed from \S+ \(step (\d+)\)", _gang_logs(paths, namespace, name, 0))
-    assert resumed, "the rebuilt gang resumes from the checkpoint"
-    assert int(resumed.group(1)) >= trained, (
-        "the deleted gang saved the step it stopped at (graceful stop on SIGTERM)"
+    logs = _gang_logs(paths, namespace, name, 0)
+    resumes = _resumes(logs)
+    assert len(resumes) == 1, f"the rebuilt gang resumes from the checkpoint once: {logs[-3000:]}"
+    [(directory, resumed, writer)] = resumes
+    assert trained <= resumed < steps and resumed in _saved_steps(checkpoints), (
+        "the deleted gang saved the step it stopped at (graceful stop on SIGTERM)",
+        resumed,
+        _saved_steps(checkpoints),
     )
+    # the job's own directory (checkpoint.path/<namespace>/<name>), written by this very job: a
+    # layout change keeps the job (its UID), status says so too
+    assert directory == f"/checkpoints/{namespace}/{name}/step-{resumed:08d}", directory
+    assert writer == final["metadata"]["uid"] == status["progress"]["resumedFromUid"], writer
     logged = [json.loads(line)["step"] for line in step_log.read_text().splitlines()]
     assert logged == list(range(1, steps + 1)), (
         f"no step lost and trained twice across the rebuild: {logged}"

@@ -29,7 +29,15 @@ import pytest
 
 from meshtrain.operator.policy import conditions
 from meshtrain.sandbox import example, nodeconfig, supervisor
-from tests.e2e.test_sandbox import _events, _example, _gang_logs, _pods, _saved_steps, _written
+from tests.e2e.test_sandbox import (
+    _events,
+    _example,
+    _gang_logs,
+    _pods,
+    _resumes,
+    _saved_steps,
+    _written,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 
@@ -204,7 +212,7 @@ def test_replace_moves_a_slow_ranks_pod_off_its_node(
     resumed_from = max(_saved_steps(checkpoints))
     _wait("the new gang training", lambda: _logged(step_log)[-1]["step"] > resumed_from, 600)
     logs = _gang_logs(paths, namespace, name, int(status.get("restarts") or 0))
-    restored = {int(s) for s in re.findall(r"resumed from \S+ \(step (\d+)\)", logs)}
+    restored = {step for _, step, _ in _resumes(logs)}
     assert len(restored) == 1, f"the new gang's ranks restored {restored}: {logs[-2000:]}"
     [restored_step] = restored
     assert restored_step >= throttled_at, (restored_step, throttled_at)
