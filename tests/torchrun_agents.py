@@ -25,6 +25,26 @@ MAX_PROC_ENTRIES = 100_000
 """Bound on /proc entries read when looking for an agent's workers."""
 
 
+def ddp_example(steps: int, limit: int, progress_port: int | None = None) -> JobBuilder:
+    """The DDP example as a custom trainer under torchrun's elastic tier, two one-GPU pods."""
+    args = ["--steps", str(steps), "--checkpoint-every", "10"]
+    reported: dict[str, Any] = {}
+    if progress_port is not None:
+        args += ["--progress-port", str(progress_port)]
+        reported["progressPort"] = progress_port
+    return (
+        JobBuilder("ddp")
+        .layout(data=2, gpus_per_node=1)
+        .trainer(
+            type="custom",
+            command=["torchrun", "-m", "meshtrain.examples.ddp"],
+            args=args,
+            **reported,
+        )
+        .run_policy(recovery={"inPlaceLimit": limit, "torchrunElastic": True})
+    )
+
+
 def pods(builder: JobBuilder, attempt: int = 0) -> list[dict[str, Any]]:
     """The gang's pods as the operator builds them for ``builder``'s spec."""
     spec = loading.parse_spec(builder.raw())

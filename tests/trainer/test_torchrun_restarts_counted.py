@@ -30,27 +30,11 @@ from meshtrain.operator.cluster import progress_client
 from meshtrain.operator.policy import progress_status, recovery_count
 from meshtrain.trainer import launch
 from tests import torchrun_agents
-from tests.builders import JobBuilder
 
 STEPS = 1_000_000
 """Far more than the test waits for: the agents are ended once the count is read."""
 DEADLINE_S = 150.0
 LIMIT = 2
-
-
-def _job(progress_port: int) -> JobBuilder:
-    return (
-        JobBuilder("ddp")
-        .layout(data=2, gpus_per_node=1)
-        .trainer(
-            type="custom",
-            command=["torchrun", "-m", "meshtrain.examples.ddp"],
-            args=["--steps", str(STEPS), "--checkpoint-every", "10"]
-            + ["--progress-port", str(progress_port)],
-            progressPort=progress_port,
-        )
-        .run_policy(recovery={"inPlaceLimit": LIMIT, "torchrunElastic": True})
-    )
 
 
 def _logs(tmp_path: Path) -> str:
@@ -97,7 +81,7 @@ def _counted(port: int, count: int, tmp_path: Path) -> dict[str, Any]:
 @pytest.mark.slow
 def test_a_torchrun_restart_of_the_worker_group_is_counted_once_in_status(tmp_path: Path) -> None:
     port, progress_port = launch.free_port(), launch.free_port()
-    builder = _job(progress_port)
+    builder = torchrun_agents.ddp_example(STEPS, LIMIT, progress_port)
     spec = loading.parse_spec(builder.raw())
     agents = torchrun_agents.start_gang(
         builder, tmp_path, port, MESHTRAIN_CHECKPOINT_DIR=str(tmp_path), LOGLEVEL="INFO"

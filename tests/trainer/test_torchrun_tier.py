@@ -22,7 +22,6 @@ import torch
 from meshtrain.operator.policy import pod_failure, pod_state
 from meshtrain.trainer import launch
 from tests import torchrun_agents
-from tests.builders import JobBuilder
 
 STEPS = 3000
 """Long enough to SIGKILL a worker twice, short enough to finish in a few seconds."""
@@ -31,25 +30,12 @@ C10D = re.compile(r"\]\s+rdzv_backend\s+: c10d$", re.MULTILINE)
 """The backend in torchrun's launch configs (torch/distributed/launcher/api.py, at INFO)."""
 
 
-def _job(limit: int) -> JobBuilder:
-    return (
-        JobBuilder("ddp")
-        .layout(data=2, gpus_per_node=1)
-        .trainer(
-            type="custom",
-            command=["torchrun", "-m", "meshtrain.examples.ddp"],
-            args=["--steps", str(STEPS), "--checkpoint-every", "10"],
-        )
-        .run_policy(recovery={"inPlaceLimit": limit, "torchrunElastic": True})
-    )
-
-
 def _gang(tmp_path: Path, limit: int) -> tuple[list[dict], list[subprocess.Popen[bytes]]]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     torchrun_agents.shim(bin_dir)
     port = launch.free_port()
-    pods = torchrun_agents.pods(_job(limit))
+    pods = torchrun_agents.pods(torchrun_agents.ddp_example(STEPS, limit))
     agents = []
     for index, pod in enumerate(pods):
         env = torchrun_agents.loopback_env(
