@@ -59,7 +59,7 @@ def replace(
     edges = fabric_cost.pod_traffic(request)
     slots = {name: count for name, count in free.items() if count > 0 and name in path}
     chosen: dict[int, str] = {}
-    for index in sorted(lost):
+    for index in _order(request, lost, where, stage_depth):
         inside = [n for n in slots if anchor is None or path[n][:depth] == anchor[:depth]]
         if not inside:
             return _none_left(request, index, slots, depth, request.constrained(levels))
@@ -78,6 +78,23 @@ def replace(
     total = fabric_cost.evaluate(edges, [path[where[i]] for i in range(len(placed))], weights)[1]
     used = tuple(sorted({n for n in chosen.values() if n in spares}))
     return Replacement(nodes=chosen, spares_used=used, cost=total)
+
+
+def _order(
+    request: values.PlacementRequest,
+    lost: Collection[int],
+    survivors: Mapping[int, str],
+    stage_depth: int,
+) -> list[int]:
+    """Lost indices in the order they are placed: lowest first, but under a per-stage level the
+    pods of stages that kept a pod first (their domain is fixed), then the wholly lost stages,
+    so a lost stage never takes the slots a partly lost stage needs in its own domain."""
+    ordered = sorted(lost)
+    if not stage_depth:
+        return ordered
+    size = request.stage_pods
+    kept = {i // size for i in survivors}
+    return [i for i in ordered if i // size in kept] + [i for i in ordered if i // size not in kept]
 
 
 def _cost(

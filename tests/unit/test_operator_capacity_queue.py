@@ -106,6 +106,19 @@ def test_the_wait_starts_at_the_placed_false_transition_so_a_restart_keeps_it() 
     assert reservation.since_of({}, now) == now.timestamp()
     status["conditions"][0].update(status=conditions.FALSE, lastTransitionTime="not a time")
     assert reservation.since_of(status, now) == now.timestamp()
+    # suspended a week ago (Placed went False then and stays False), resumed 2 minutes ago: the
+    # wait starts at the resume, so a long suspension does not make the longest waiter
+    week, resumed = now - datetime.timedelta(days=7), now - datetime.timedelta(minutes=2)
+    status["conditions"][0]["lastTransitionTime"] = conditions.timestamp(week)
+    status["conditions"].append(
+        {
+            "type": conditions.SUSPENDED,
+            "status": conditions.FALSE,
+            "reason": "Resumed",
+            "lastTransitionTime": conditions.timestamp(resumed),
+        }
+    )
+    assert reservation.since_of(status, now) == resumed.timestamp()
 
 
 def test_only_meshtrain_pods_count_free_for_the_holders_plan() -> None:
@@ -488,3 +501,36 @@ def test_a_holder_whose_node_set_found_no_place_passes_on_until_the_nodes_change
     cache.nodes.upsert(_node("n4"))
     queue.enter(*large)
     assert queue.holder() == queue.entries["uid-large"]
+
+
+def test_a_job_the_counts_admit_but_the_plan_cannot_place_is_not_planned_again_until_capacity_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Enough free slots, yet its plan placed nothing (a required level, fragmentation): a resync
+    or its own status write plans nothing until a change the wake-up rule admits it on."""
+    _, queue, _ = _three_free_nodes(monkeypatch)
+    fits = _job("fits", 2)
+    ref = fits[0]
+    queue.planning(ref, 1)
+    queue.enter(*fits)  # 3 free slots >= 2, but say its plan found no domain holding both
+    assert queue.wake([("ns", "fits")]) == [("ns", "fits")]  # the counts alone would admit it
+    assert queue.unchanged(ref, 1) is True  # nothing changed since that plan: no plan
+    queue.capacity_changed()
+    assert queue.unchanged(ref, 1) is False  # a change it could be admitted on: one plan
+    queue.planning(ref, 1)
+    assert queue.unchanged(ref, 1) is True
+
+
+def test_a_job_whose_plan_left_out_nodes_for_a_while_is_planned_at_a_resync_without_a_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A straggler's or a refused node's exclusion ends with time, not with a capacity change:
+    such a job is still planned when the counts admit it, as before."""
+    _, queue, _ = _three_free_nodes(monkeypatch)
+    fits = _job("fits", 2)
+    ref = fits[0]
+    queue.planning(ref, 1)
+    queue.enter(*fits, avoided=True)
+    assert queue.unchanged(ref, 1) is False
+    queue.enter(*fits)  # planned again without exclusions: back to the capacity rule
+    assert queue.unchanged(ref, 1) is True

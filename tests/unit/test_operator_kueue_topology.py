@@ -793,3 +793,17 @@ def test_a_stage_scoped_level_the_topology_lacks_creates_no_workload() -> None:
     spec = _spec(levels=[{"label": RACK, "mode": "required", "scope": "stage"}])
     why = kueue_topology.unknown_required(spec, (BLOCK, HOST))
     assert why is not None and "each pipeline stage" in why and "drop its scope" in why
+
+
+def test_spares_that_break_the_stage_slices_create_no_workload_rather_than_drop_the_level() -> None:
+    # 2 pods per stage, 4 pods: one spare makes a pod set of 5 that Kueue cannot cut into slices
+    # of 2, so the request would carry no slice and Kueue could split a stage across racks
+    spec = _spec(levels=[{"label": BLOCK}, {"label": RACK, "mode": "required", "scope": "stage"}])
+    request = kueue_topology.topology_request(spec, (BLOCK, RACK, HOST), spec.pods + 1)
+    assert "podSetSliceRequiredTopology" not in request
+    why = kueue_topology.unknown_required(spec, (BLOCK, RACK, HOST), spares=1)
+    assert why is not None
+    assert "spec.topology.levels[1]" in why and "spareNodes" in why
+    assert kueue_topology.unknown_required(spec, (BLOCK, RACK, HOST), spares=2) is None
+    sliced = kueue_topology.topology_request(spec, (BLOCK, RACK, HOST), spec.pods + 2)
+    assert sliced["podSetSliceRequiredTopology"] == RACK and sliced["podSetSliceSize"] == 2

@@ -319,3 +319,16 @@ def test_spares_lie_in_the_domains_of_the_gang_s_stages() -> None:
     assert set(spares) == {"r0-n2", "r1-n2"}
     anywhere = replacement.spares(_request(2, 2, "preferred"), placed, fleet, free, 4)
     assert {name.split("-")[0] for name in anywhere} >= {"r2"}
+
+
+def test_a_wholly_lost_stage_leaves_a_partly_lost_stage_the_slots_of_its_own_rack() -> None:
+    # racks r0 (2 nodes), r1 (3), r2 (2); stage 0 on r0, stage 1 on r1 (pods 2, 3); pods 0, 1
+    # and 2 lost; free: r1-n0, r1-n2, r2-n0, r2-n1. Pod 2 must return to r1, so stage 0 must go
+    # to r2 even though pipeline traffic pulls it next to stage 1 on r1.
+    fleet = _rack_fleet([2, 3, 2])
+    placed = ["r0-n0", "r0-n1", "r1-n1", "r1-n1"]
+    free = {"r1-n0": 1, "r1-n2": 1, "r2-n0": 1, "r2-n1": 1}
+    got = replacement.replace(_request(2, 2, "stage"), placed, {0, 1, 2}, fleet, free)
+    assert isinstance(got, replacement.Replacement), got
+    racks = {i: node.split("-")[0] for i, node in got.nodes.items()}
+    assert racks == {0: "r2", 1: "r2", 2: "r1"}

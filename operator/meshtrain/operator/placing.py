@@ -616,7 +616,7 @@ class Placer:
             outcome = reserving.unplaced(self.waiting, job, demand, outcome)
             since = reservation.since_of(job.status, now)
             declared, beside = job.declared or sized.spec, self._beside_own(job)
-            self.waiting.enter(ref, declared, demand, beside, since, priority)
+            self.waiting.enter(ref, declared, demand, beside, since, priority, bool(avoid))
             took = self.fit.worker.last_seconds
             self._next_plan[ref.uid] = time.monotonic() + PLAN_SPACING * took
             if took >= SLOW_PLAN_SECONDS:

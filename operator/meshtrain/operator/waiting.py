@@ -70,7 +70,9 @@ class Queue:
         reservation nor are held back by it (the wake-up rule applies to them all the same)."""
         self.seq = 0
         """Capacity changes seen so far (:meth:`capacity_changed`)."""
-        self._planned: dict[str, tuple[int, int]] = {}
+        self._planned: dict[str, tuple[int, int, str | None]] = {}
+        self._timed: set[str] = set()
+        """UIDs whose last plan left out nodes for a time: a resync may plan them with no change."""
         """UID -> (:attr:`seq`, generation) when its last plan started."""
         self._verdicts: dict[str, tuple[tuple[int, int, str | None], bool]] = {}
         """UID -> ((:attr:`seq`, generation, holder UID), whether :meth:`unchanged`): the free
@@ -93,8 +95,13 @@ class Queue:
         self.seq += 1
 
     def planning(self, ref: identity.JobRef, generation: int) -> None:
-        """A plan of the job starts now: what it sees is the capacity as of :attr:`seq`."""
-        self._planned[ref.uid] = (self.seq, generation)
+        """A plan of the job starts now: what it sees is the capacity as of :attr:`seq` (and the
+        reservation's holder then)."""
+        self._planned[ref.uid] = (self.seq, generation, self._holder_uid())
+
+    def _holder_uid(self) -> str | None:
+        held = self.holder()
+        return None if held is None else held.uid
 
     def uid_of(self, key: Key) -> str | None:
         """The UID of the waiting job ``key`` (None: not waiting)."""
@@ -106,16 +113,19 @@ class Queue:
         return planned is not None and planned[0] != self.seq
 
     def unchanged(self, ref: identity.JobRef, generation: int) -> bool:
-        """Whether this waiting job needs no plan: the same generation as its last plan, and the
-        wake-up rule does not admit it on the capacity there is now (a capacity change that could
-        not admit it, or none at all, plans nothing: issue #36's one plan per admitting change)."""
+        """Whether this waiting job needs no plan: the same generation as its last plan, and
+        either nothing changed since (capacity and the reservation's holder) or the wake-up rule
+        does not admit it on the capacity there is now: only a change that could admit it plans
+        (issue #36's one plan per admitting change)."""
         if ref.uid not in self.entries or ref.uid in self.kueue:
             return False  # Kueue's admissions and reassignments wake its jobs: they plan
         planned = self._planned.get(ref.uid)
         if planned is None or planned[1] != generation or self.reservation_due(ref.uid):
             return False
-        reserved = self.holder()  # the verdict changes with capacity or the holder: asked once
-        mark = (self.seq, generation, None if reserved is None else reserved.uid)
+        holder = self._holder_uid()
+        if (planned[0], planned[2]) == (self.seq, holder) and ref.uid not in self._timed:
+            return True  # its last plan saw this very capacity: it would place nothing again
+        mark = (self.seq, generation, holder)  # the verdict changes with capacity or the holder
         known = self._verdicts.get(ref.uid)
         if known is None or known[0] != mark:
             known = self._verdicts[ref.uid] = (mark, not self.wake([(ref.namespace, ref.name)]))
@@ -129,12 +139,14 @@ class Queue:
         unknown: bool = False,
         since: float | None = None,
         priority: int = 0,
+        avoided: bool = False,
     ) -> capacity_queue.Waiting:
         """The job waits (since the first time: a job entered again keeps its place).
 
         ``unknown``: slot counts do not bound its plan (it re-places beside its own pods);
         ``since``: when it began to wait (``reservation.since_of``; None: now), ``priority``: its
-        PriorityClass value.
+        PriorityClass value; ``avoided``: its plan left out nodes for a while (stragglers,
+        scheduler refusals), whose exclusion ends with time, not with a capacity change.
         """
         unknown = unknown or bool(self.cache.inventory().devices)  # slices may serve it
         need = need_of(spec, demand, unknown)
@@ -156,6 +168,10 @@ class Queue:
         )
         self._uids[(ref.namespace, ref.name)] = ref.uid
         self.specs[ref.uid] = spec
+        if avoided:
+            self._timed.add(ref.uid)
+        else:
+            self._timed.discard(ref.uid)
         if found is not None:
             self._prune(found.need.shape)
         return entry
@@ -167,6 +183,7 @@ class Queue:
         self.kueue.discard(ref.uid)
         self._planned.pop(ref.uid, None)
         self._verdicts.pop(ref.uid, None)
+        self._timed.discard(ref.uid)
         if self._uids.get((ref.namespace, ref.name)) == ref.uid:
             del self._uids[(ref.namespace, ref.name)]
         if self.reservation is not None and self.reservation.holder == ref.uid:

@@ -164,7 +164,8 @@ async def perform(
             logger.warning("%s/%s: %s", ref.namespace, ref.name, message)
             if warn is not None:
                 await warn(kueue_topology.UNREAD, message)
-        unknown = kueue_topology.unknown_required(job.declared, levels)
+        spares = kueue_workload.spare_pods(job.declared)
+        unknown = kueue_topology.unknown_required(job.declared, levels, spares)
         if unknown is not None:
             raise Rejected(unknown)
         manifest = kueue_workload.build_workload(

@@ -150,7 +150,7 @@ def topology_request(
     """
     topology, order = spec.topology, list(levels)
     fabric = [level for level in topology.levels if level.label in order]
-    grid, per_pod = spec.parallelism, spec.resources.gpus_per_node
+    grid = spec.parallelism
     required = [lv.label for lv in fabric if lv.mode == "required" and lv.scope == "job"]
     staged = [lv.label for lv in fabric if lv.mode == "required" and lv.scope == "stage"]
     if staged and grid.pipeline == 1:  # one stage: the stage is the job
@@ -167,8 +167,7 @@ def topology_request(
         request["preferred"] = (
             levels[-2] if len(levels) > 1 and levels[-1] == HOSTNAME else levels[-1]
         )
-    per_stage = grid.world_size // grid.pipeline  # every rank of one stage
-    stage_pods = per_stage // per_pod if per_stage % per_pod == 0 else 0
+    stage_pods = _stage_pods(spec)
     slices = grid.pipeline > 1 and stage_pods > 1 and count % stage_pods == 0
     if staged:
         _stage_slice(request, max(staged, key=order.index), stage_pods, order, slices)
@@ -181,6 +180,13 @@ def topology_request(
         request["podSetSliceRequiredTopology"] = nvlink
         request["podSetSliceSize"] = stage_pods
     return request
+
+
+def _stage_pods(spec: api_spec.TrainingJobSpec) -> int:
+    """Pods of one pipeline stage (every rank of it), or 0 when a stage does not fill whole pods."""
+    grid, per_pod = spec.parallelism, spec.resources.gpus_per_node
+    per_stage = grid.world_size // grid.pipeline
+    return per_stage // per_pod if per_stage % per_pod == 0 else 0
 
 
 def _stage_slice(
@@ -200,16 +206,33 @@ def _stage_slice(
         request["podSetSliceSize"] = stage_pods
 
 
-def unknown_required(spec: api_spec.TrainingJobSpec, levels: Sequence[str]) -> str | None:
+def unknown_required(
+    spec: api_spec.TrainingJobSpec, levels: Sequence[str], spares: int = 0
+) -> str | None:
     """Why no Workload may be created for ``spec`` in a queue whose TAS Topology has ``levels``
     (() : no TAS), or None.
 
     A ``required`` level the Topology lacks cannot be asked of Kueue (:func:`topology_request`
     leaves it out), so Kueue would admit the gang anywhere its own request allows and hold the
-    quota while the gang could never be placed inside the assignment.
+    quota while the gang could never be placed inside the assignment.  Likewise a level required
+    per stage whose slices do not divide the pod set (``spares`` spare pods in it): Kueue takes
+    no slice request then and may split a stage across domains.
     """
     if not levels:
         return None
+    stage_pods = _stage_pods(spec)
+    count = spec.pods + spares
+    for index, level in enumerate(spec.topology.levels):
+        sliced = level.mode == "required" and level.scope == "stage" and level.label in levels
+        if sliced and spec.parallelism.pipeline > 1 and stage_pods and count % stage_pods:
+            return (
+                f"spec.topology.levels[{index}] requires each pipeline stage ({stage_pods} pods) "
+                f"in one {level.label!r} domain, but the Kueue Workload's pod set has {count} pods "
+                f"({spares} of them spares, runPolicy.recovery.spareNodes), which Kueue cannot "
+                f"cut into slices of {stage_pods}: so no Workload is created; make spareNodes a "
+                f"multiple of {stage_pods}, drop the spares, or use scope: job "
+                "(checked again with backoff)"
+            )
     for index, level in enumerate(spec.topology.levels):
         if level.mode == "required" and level.label not in levels:
             whom = "each pipeline stage" if level.scope == "stage" else "the gang"

@@ -157,7 +157,7 @@ def _requests_only(container: Mapping[str, Any]) -> dict[str, Any]:
     return counted
 
 
-def _spares(spec: api_spec.TrainingJobSpec) -> int:
+def spare_pods(spec: api_spec.TrainingJobSpec) -> int:
     """Spare pods the job holds while it runs (none for a gang that cannot rejoin)."""
     return spec.run_policy.recovery.spare_nodes if replacement.rejoins(spec) else 0
 
@@ -198,7 +198,7 @@ def build_workload(
         }
     # The spare pods request what a gang pod does: the quota counts them (runPolicy.recovery.spareNodes);
     # spareNodes raised after admission gets no more spares than admitted (sparing.wanted).
-    pod_set: dict[str, Any] = {"name": POD_SET, "count": spec.pods + _spares(spec), "template": template}  # fmt: skip
+    pod_set: dict[str, Any] = {"name": POD_SET, "count": spec.pods + spare_pods(spec), "template": template}  # fmt: skip
     if tas_levels:
         pod_set["topologyRequest"] = kueue_topology.topology_request(spec, tas_levels, pod_set["count"])  # fmt: skip
     workload_spec: dict[str, Any] = {"queueName": queue.name, "podSets": [pod_set]}

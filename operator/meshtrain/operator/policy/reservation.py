@@ -84,17 +84,31 @@ def ours(pods: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def since_of(status: Mapping[str, Any], now: datetime.datetime) -> float:
     """When the job began to wait, in seconds since the epoch: the ``lastTransitionTime`` of its
-    ``Placed=False`` condition (kept across reasons and operator restarts), else ``now``."""
-    found = conditions.find(status.get("conditions") or [], conditions.PLACED) or {}
-    began = None
-    if found.get("status") == conditions.FALSE:
-        try:
-            began = conditions.parse_time(found.get("lastTransitionTime"))
-        except (TypeError, ValueError):
-            began = None  # a hand-edited status: the wait starts now
-    if began is None or began.tzinfo is None:
+    ``Placed=False`` condition (kept across reasons and operator restarts), or of its
+    ``Suspended=False`` when later (``Placed`` stays False while a job is suspended, and time
+    suspended is not waiting), else ``now``."""
+    found = status.get("conditions") or []
+    began = _false_since(conditions.find(found, conditions.PLACED))
+    if began is None:
         return now.timestamp()
-    return min(began.timestamp(), now.timestamp())
+    resumed = _false_since(conditions.find(found, conditions.SUSPENDED))
+    if resumed is not None:
+        began = max(began, resumed)
+    return min(began, now.timestamp())
+
+
+def _false_since(condition: Mapping[str, Any] | None) -> float | None:
+    """The ``lastTransitionTime`` of a condition whose status is False, as epoch seconds; None
+    when it is not False or its time is missing or malformed (a hand-edited status)."""
+    if not condition or condition.get("status") != conditions.FALSE:
+        return None
+    try:
+        began = conditions.parse_time(condition.get("lastTransitionTime"))
+    except (TypeError, ValueError):
+        return None
+    if began is None or began.tzinfo is None:
+        return None
+    return began.timestamp()
 
 
 def may_hold(job: Mapping[str, Any], now: datetime.datetime, after: float) -> bool:
