@@ -82,3 +82,15 @@ def test_a_job_planned_once_per_admitting_change_stays_at_one_and_an_extra_plan_
     counts.planned(("ns", "never-woken"))
     assert counts.most == 2.0
     assert metrics.REPLANS_PER_ADMISSION_MAX._value.get() >= 2.0
+
+
+def test_a_renewed_assumption_outlives_its_first_deadline_and_still_ends():
+    cache = informer.Cache()
+    cache.assume("job-a", [_pod("a-0", "n1")])
+    first = cache.assumed.pods[("ns", "a-0")].until
+    cache.assumed.renew("job-a", first - 1.0)  # creation still going on just before it ran out
+    cache.assumed.expire(first + 1.0)
+    assert _gpus(cache, "n1") == 8  # the first deadline passed: still held
+    cache.assumed.expire(first - 1.0 + assumed.ASSUME_SECONDS)
+    assert _gpus(cache, "n1") == 0 and not cache.assumed.pods  # the renewed one ran out
+    assert cache.assumed.expired == 1

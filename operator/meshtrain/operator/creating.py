@@ -7,10 +7,12 @@ trips of creating them (32 in flight, ``kube.CONCURRENCY``) run after the lock i
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 from typing import Any
 
-from meshtrain.operator.cluster import children, informer, kube
+from meshtrain.operator.cluster import assumed, children, informer, kube
 from meshtrain.operator.policy import identity
 
 
@@ -36,14 +38,27 @@ async def create(client: kube.Client, cache: informer.Cache, gang: Gang) -> chil
     """Create the gang's objects (``children.ensure``); a refusal or an error (a crash of the
     pass included) ends the gang's assumptions: the pods created count as themselves, the others
     never will."""
+    renewing = asyncio.create_task(_renew(cache, gang.ref.uid))
     try:
         refused = await children.ensure(client, gang.ref.uid, gang.shared, gang.pods)
     except BaseException:
         _release(cache, gang)
         raise
+    finally:
+        renewing.cancel()
     if refused is not None:
         _release(cache, gang)
+    else:  # created: each assumption lasts until its pod is seen (or the informer's lag runs out)
+        cache.assumed.renew(gang.ref.uid, time.monotonic())
     return refused
+
+
+async def _renew(cache: informer.Cache, job: str) -> None:
+    """Keep the gang's assumptions alive while its pods are being created (a large gang against a
+    throttling API server may take longer than one assumption lives)."""
+    while True:
+        await asyncio.sleep(assumed.ASSUME_SECONDS / 2)
+        cache.assumed.renew(job, time.monotonic())
 
 
 def _release(cache: informer.Cache, gang: Gang) -> None:

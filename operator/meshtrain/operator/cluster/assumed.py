@@ -20,9 +20,11 @@ Key = tuple[str, str]
 Charge = Callable[[str, Mapping[str, int], int], None]
 """Adds (sign 1) or removes (sign -1) one pod's requests on a node of the usage counts."""
 ASSUME_SECONDS = 60.0
-"""Longest an assumption lives: creating a gang's pods (32 requests in flight) takes seconds;
-past this the pod is counted only once it exists (the check of the planned nodes before the
-gates are lifted still catches a node taken twice)."""
+"""Longest an assumption lives past its gang's last sign of progress: it is renewed while the
+gang's pods are being created (``creating.create``) and once more when that ends, so this
+bounds only the informer's lag in showing a created pod; past it the pod is counted only once
+it exists (the check of the planned nodes before the gates are lifted still catches a node
+taken twice)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +69,14 @@ class Assumed:
             self._charge(node, charged, 1)
             count += 1
         return count
+
+    def renew(self, job: str, now: float) -> None:
+        """Let job ``job``'s assumptions live until ``now`` + :data:`ASSUME_SECONDS` (its pods are
+        still being created, or were just created and are yet to be seen)."""
+        until = now + ASSUME_SECONDS
+        for key in self._by_job.get(job, ()):
+            self.pods[key] = dataclasses.replace(self.pods[key], until=until)
+            self._expiry.append((until, key))
 
     def seen(self, key: Key) -> None:
         """The pod ``key`` appeared in the informer: it is counted as itself from now on."""
