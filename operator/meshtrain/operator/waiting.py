@@ -68,12 +68,12 @@ class Queue:
         self.kueue: set[str] = set()
         """UIDs of jobs Kueue admitted: Kueue's queue orders them, so they neither hold the
         reservation nor are held back by it (the wake-up rule applies to them all the same)."""
-        self.seq = 0
-        """Capacity changes seen so far (:meth:`capacity_changed`)."""
+        self._changes = 0
+        """Capacity changes told to this queue (:meth:`capacity_changed`)."""
         self._planned: dict[str, tuple[int, int, str | None]] = {}
+        """UID -> (:attr:`seq`, generation, holder UID) when its last plan started."""
         self._timed: set[str] = set()
         """UIDs whose last plan left out nodes for a time: a resync may plan them with no change."""
-        """UID -> (:attr:`seq`, generation) when its last plan started."""
         self._verdicts: dict[str, tuple[tuple[int, int, str | None], bool]] = {}
         """UID -> ((:attr:`seq`, generation, holder UID), whether :meth:`unchanged`): the free
         slots are counted once per change, not at every resync."""
@@ -90,9 +90,15 @@ class Queue:
         """UID -> node changes when its reservation's plan found no place: it may not hold until
         the nodes change."""
 
+    @property
+    def seq(self) -> int:
+        """Capacity changes seen so far: those the cache saw itself (every wake-up it gave, with
+        or without a waker wired to this queue) and those told here; only compared for equality."""
+        return self.cache.capacity_changes + self._changes
+
     def capacity_changed(self) -> None:
         """Nodes changed or GPUs were freed (the informer's wake-up)."""
-        self.seq += 1
+        self._changes += 1
 
     def planning(self, ref: identity.JobRef, generation: int) -> None:
         """A plan of the job starts now: what it sees is the capacity as of :attr:`seq` (and the

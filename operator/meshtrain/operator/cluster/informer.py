@@ -222,6 +222,26 @@ class _Asleep:
         pass
 
 
+class _Counted:
+    """A waker that counts the capacity changes it is told of on the cache, then passes them on."""
+
+    def __init__(self, cache: Cache, waker: Waker) -> None:
+        self._cache = cache
+        self._waker = waker
+
+    def poke(self, key: tuple[str, str]) -> None:
+        self._waker.poke(key)
+
+    def poke_waiting(self) -> None:
+        self._cache.capacity_changes += 1
+        self._waker.poke_waiting()
+
+    def poke_devices(self, nodes: frozenset[str] | None) -> None:
+        if nodes is None or nodes:
+            self._cache.capacity_changes += 1
+        self._waker.poke_devices(nodes)
+
+
 class Store:
     """Objects by key, newest resourceVersion wins; optional index of pods by (namespace, job)."""
 
@@ -382,7 +402,9 @@ class Cache:
         """Node -> its usage as last asked for; dropped when a pod on the node changes."""
         self.assumed = assumed.Assumed(self._charge_amounts)
         """Pods of planned gangs charged to their nodes before they exist (:meth:`assume`)."""
-        self.waker: Waker = _Asleep()
+        self.waker: Waker = _Counted(self, _Asleep())
+        self.capacity_changes = 0
+        """Capacity changes this cache woke waiting jobs for (``waiting.Queue.seq`` reads it)."""
         """What :meth:`run` pokes (a released assumption frees capacity too)."""
         self.synced = asyncio.Event()
         """Set once every store holds a full list."""
@@ -574,7 +596,7 @@ class Cache:
         Also makes ``client`` report its writes to the cache; ``waker`` (None: none) is poked.
         """
         client.on_write = self.learn
-        waker = self.waker = waker or _Asleep()
+        waker = self.waker = _Counted(self, waker or _Asleep())
         watched: list[str | None] = [*namespaces] or [None]
         scopes = {f"trainingjobs in {n or 'all namespaces'}": n for n in watched}
         self._expected = {"pods", "nodes", *scopes, *self._devices}
