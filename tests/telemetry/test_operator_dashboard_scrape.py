@@ -118,6 +118,7 @@ OPERATOR_ROW = {
     "Operator replicas up",
     "API errors/s",
     "Kubernetes API requests and errors by verb",
+    "Re-plans per admitting capacity change",
 }
 """The panels of the operator process's own series, under the "Operator" row."""
 

@@ -108,7 +108,11 @@ def test_report_shows_goodput_and_each_failures_split(tmp_path, capsys):
     assert "lost to failures: restart: 21.6 s" in printed
     assert "gang (gang restart), resumed after step 12, 3 step(s) lost" in printed
     page = out.read_text()
-    assert '<table id="goodput">' in page and page.count("<tr><td>") == 2  # one row per failure
+    assert '<table id="goodput">' in page
+    failures = page.split('<table id="failures">', 1)[1].split("</table>", 1)[0]
+    assert failures.count("<tr><td>") == 2  # one row per failure
+    attempts = page.split('<table id="attempts">', 1)[1].split("</table>", 1)[0]
+    assert attempts.count("<tr><td>") == 3  # the run's three attempts (two failures)
     assert "<td>process</td><td>exit 1</td><td>step 8</td><td>2</td>" in page
 
 
