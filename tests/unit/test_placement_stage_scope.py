@@ -19,24 +19,13 @@ import pytest
 from meshtrain import placement
 from meshtrain.api import layout
 from meshtrain.placement import replacement
+from tests.unit.test_placement_properties import Case
 
 BLOCK, RACK = "example.com/block", "example.com/rack"
 CLIQUE = "example.com/clique"
 LEVELS = (BLOCK, RACK)
 ALL = (*LEVELS, CLIQUE)
 CASES = 400
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    seed: int
-    """Seed the case was drawn from."""
-    nodes: tuple[placement.Node, ...]
-    """The fleet."""
-    reservations: tuple[placement.Reservation, ...]
-    """GPUs already taken."""
-    request: placement.PlacementRequest
-    """The job."""
 
 
 def draw(seed: int) -> Case:
