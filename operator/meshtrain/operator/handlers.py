@@ -169,11 +169,10 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     resolved = await reconciler.resolved(client, memo.settings)
     memo.reconciler = reconciler.Reconciler(client=client, cache=cache, settings=resolved)
     queue = memo.reconciler.placer.waiting
-    memo.wakeups = Wakeups(
+    memo.wakeups = Wakeups(  # the queue's change count is the cache's own (informer._Counted)
         queue.wake,
-        queue.capacity_changed,
-        queue.missed,
-        functools.partial(device_wake.admitted, queue),
+        missed=queue.missed,
+        admit_devices=functools.partial(device_wake.admitted, queue),
         counts=memo.reconciler.placer.replans,
     )
     memo.watches = asyncio.create_task(cache.run(client, memo.wakeups, memo.namespaces))
