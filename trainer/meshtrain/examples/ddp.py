@@ -82,6 +82,17 @@ def _save(
     print(f"saved step {step} to {path} ({why})", flush=True)
 
 
+def _leave_together() -> None:
+    """Close the process group on every rank at once, after rank 0's last save.
+
+    A rank that tears its group down while a peer is still saving leaves gloo's connection
+    threads to be destroyed at interpreter exit, which can abort the process ("terminate called
+    without an active exception") after a run that trained to the end.
+    """
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> int:
     args = _arguments()
     stop_asked: list[int] = []
@@ -138,14 +149,14 @@ def main() -> int:
         if stop.item():
             if rank == 0:
                 _save(checkpoint, model, optimizer, done, "SIGTERM")
-            dist.destroy_process_group()
+            _leave_together()
             return STOPPED_BY_SIGNAL
         periodic = args.checkpoint_every > 0 and done % args.checkpoint_every == 0
         if rank == 0 and periodic and done < args.steps:
             _save(checkpoint, model, optimizer, done, "periodic")
     if rank == 0 and start < args.steps:
         _save(checkpoint, model, optimizer, args.steps, "last step")
-    dist.destroy_process_group()
+    _leave_together()
     return 0 if loss.item() < 1.0 else 1
 
 
