@@ -408,9 +408,10 @@ def test_a_users_own_ddp_program_runs_under_the_same_placement_and_gang(
     assert status["layout"] == "dp4·pp1·tp1" and len(status["placement"]) == 2
     # The program's own checkpoint, written by its rank 0 after the last step of a 4-rank gang.
     claim = document["spec"]["checkpoint"]["claimName"]
-    saved = paths.root / "volumes" / namespace / claim / "ddp-example.pt"
+    root = paths.root / "volumes" / namespace / claim
+    saved = root / namespace / name / "ddp-example.pt"
     assert saved.is_file(), (
-        "the program checkpoints to $MESHTRAIN_CHECKPOINT_DIR on the job's claim"
+        "the program checkpoints to $MESHTRAIN_JOB_CHECKPOINT_DIR, its own directory on the claim"
     )
     import torch  # noqa: PLC0415 - only this test reads a torch file
 

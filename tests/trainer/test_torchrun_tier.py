@@ -39,7 +39,7 @@ def _gang(tmp_path: Path, limit: int) -> tuple[list[dict], list[subprocess.Popen
     agents = []
     for index, pod in enumerate(pods):
         env = torchrun_agents.loopback_env(
-            pod, port, bin_dir, MESHTRAIN_CHECKPOINT_DIR=str(tmp_path), LOGLEVEL="INFO"
+            pod, port, bin_dir, MESHTRAIN_JOB_CHECKPOINT_DIR=str(tmp_path), LOGLEVEL="INFO"
         )
         agents.append(torchrun_agents.start(pod, env, tmp_path / f"agent-{index}.log"))
     return pods, agents

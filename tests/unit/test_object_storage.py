@@ -82,6 +82,7 @@ def test_pods_get_the_store_and_its_keys_by_secret_reference_and_no_bucket_mount
     assert mounts["checkpoints"]["mountPath"] == "/checkpoints"  # the logs' volume, not the URL
     assert env["MESHTRAIN_LOG_DIR"] == "/checkpoints/research/llm/logs"
     assert env["MESHTRAIN_CHECKPOINT_DIR"] == "s3://ckpt/runs"
+    assert env["MESHTRAIN_JOB_CHECKPOINT_DIR"] == "s3://ckpt/runs/research/llm"
     assert mounts["object-storage-ca"] == {
         "name": "object-storage-ca",
         "mountPath": "/etc/meshtrain/object-storage-ca",

@@ -38,6 +38,27 @@ def test_an_assumed_pod_takes_its_node_until_the_pod_itself_is_counted():
     assert list(cache.assumed.pods) == [("ns", "a-1")]
 
 
+def test_the_reservation_counts_assumed_pods_free_as_meshtrains_own_and_tenants_pods_taken():
+    """The holder's plan sees meshtrain's pods free, those still being created included (they were
+    counted as another tenant's before), and a tenant's pod on the same node taken."""
+    cache = informer.Cache()
+    tenant = _pod("tenant-0", "n1", bound=True)
+    cache.learn("create", tenant)
+    cache.assume("job-a", [_pod("a-0", "n1"), _pod("a-1", "n2")])
+    assert _gpus(cache, "n1") == 16
+    drained = cache.usage(ours_free=True)
+    assert drained["n1"].requested.get(GPU, 0) == 8 and drained["n1"].pods == 1
+    assert drained["n2"].requested.get(GPU, 0) == 0 and drained["n2"].pods == 0
+    created = _pod("a-0", "n1", bound=True)  # as the operator creates it: its label and controller
+    created["metadata"]["labels"][naming.LABEL_MANAGED_BY] = naming.MANAGED_BY
+    created["metadata"]["ownerReferences"] = test_operator_informer._controller("a", "job-a")
+    cache.learn("create", created)  # the assumption ends, the labelled pod itself is ours
+    assert cache.usage(ours_free=True)["n1"].requested.get(GPU, 0) == 8
+    cache.assumed.release("job-a")
+    assert cache.usage(ours_free=True)["n2"].requested.get(GPU, 0) == 0
+    assert _gpus(cache, "n2") == 0 and _gpus(cache, "n1") == 16
+
+
 def test_a_failed_creation_or_a_job_that_left_releases_its_assumptions():
     cache = informer.Cache()
     cache.assume("job-a", [_pod("a-0", "n1")])

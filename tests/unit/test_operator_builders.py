@@ -187,6 +187,8 @@ def test_supervisor_command_and_torchruns_env():
         and env["MESHTRAIN_METRICS_PORT"] == "9400"
     )
     assert (env["MESHTRAIN_JOB_NAME"], env["MESHTRAIN_NAMESPACE"]) == ("llm", "research")
+    # a custom program's own directory is the one meshtrain's trainer derives (docs/checkpoints.md)
+    assert env["MESHTRAIN_JOB_CHECKPOINT_DIR"] == "/checkpoints/research/llm"
 
 
 def test_a_context_parallel_gang_counts_its_fourth_degree_in_pods_and_env():

@@ -124,7 +124,7 @@ def test_the_wait_starts_at_the_placed_false_transition_so_a_restart_keeps_it() 
 def test_only_meshtrain_pods_count_free_for_the_holders_plan() -> None:
     ours = {"metadata": {"labels": {"app.kubernetes.io/managed-by": "meshtrain-operator"}}}
     theirs = {"metadata": {"labels": {"app": "other"}}}
-    assert reservation.ours([ours, theirs, {}]) == [ours]
+    assert [reservation.is_ours(p) for p in (ours, theirs, {})] == [True, False, False]
 
 
 def _node(name: str, gpus: int = 8) -> dict[str, Any]:
@@ -466,6 +466,55 @@ def test_after_a_restart_other_jobs_wait_until_the_node_set_of_a_job_that_may_ho
     assert fresh.unsettled("uid-small")
     seconds[0] += reservation.SETTLE_SECONDS
     assert not fresh.unsettled("uid-small")  # bounded: it never planned, the others go on
+
+
+class _Pokes:
+    """A waker that records which jobs it was asked to wake."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[str, str]] = []
+
+    def poke(self, key: tuple[str, str]) -> None:
+        self.jobs.append(key)
+
+    def poke_waiting(self) -> None:
+        raise AssertionError("a settled restart is no capacity change")
+
+    def poke_devices(self, nodes: frozenset[str] | None) -> None:
+        raise AssertionError("a settled restart is no device change")
+
+
+def test_jobs_held_back_after_a_restart_are_woken_once_when_the_last_holder_settles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No pass every second while they wait: one wake-up each as the window closes early, and
+    the window's end as their latest pass."""
+    cache, queue, _ = _three_free_nodes(monkeypatch)
+    after = capacity_queue.RESERVE_AFTER_SECONDS
+    cache.jobs.upsert(_waiting_job("big", after + 60))
+    cache.jobs.upsert(_waiting_job("bigger", after + 90))
+    pokes = _Pokes()
+    cache.waker = pokes
+    seconds = [1000.0]
+    monkeypatch.setattr(waiting.time, "monotonic", lambda: seconds[0])
+    small = identity.JobRef("small", "ns", "uid-small")
+    assert queue.unsettled(small.uid)
+    assert queue.hold_back(small) == reservation.SETTLE_SECONDS
+    seconds[0] += 5
+    assert queue.hold_back(small) == reservation.SETTLE_SECONDS - 5  # held back once, not twice
+    queue.settled("uid-big")
+    assert pokes.jobs == [] and queue.unsettled(small.uid)  # "bigger" may still hold
+    queue.settled("uid-bigger")
+    assert pokes.jobs == [("ns", "small")] and not queue.unsettled(small.uid)
+    queue.settled("uid-bigger")
+    assert pokes.jobs == [("ns", "small")]  # woken once
+    gone = identity.JobRef("gone", "ns", "uid-gone")
+    fresh = waiting.Queue(cache)
+    assert fresh.unsettled(gone.uid)
+    fresh.hold_back(gone)
+    fresh.leave(gone)  # deleted while held back: nothing to wake
+    fresh.settled("uid-big"), fresh.settled("uid-bigger")
+    assert pokes.jobs == [("ns", "small")]
 
 
 def test_grows_and_plans_of_other_jobs_see_no_reserved_node(

@@ -131,6 +131,9 @@ class Placer:
         plan again (:data:`PLAN_SPACING`, :data:`FAILED_PLAN_RETRY_SECONDS`)."""
         self._deferred: set[str] = set()
         """Jobs (by UID) a pass found spaced out: planned again as their spacing ends."""
+        self._held_back: dict[str, float] = {}
+        """Jobs (by UID) held back after a restart (``waiting.Queue.hold_back``) -> the
+        :attr:`_next_plan` they had before, restored once the hold-back ends."""
         self.gang = gang
         """Who binds each gang whole (``--gang-backend``)."""
         self._gang: gang_backend.Resolved | None = None
@@ -151,6 +154,7 @@ class Placer:
         self._next_plan.pop(ref.uid, None)
         self._policy_checked.discard(ref.uid)
         self._deferred.discard(ref.uid)
+        self._held_back.pop(ref.uid, None)
 
     def restart_all_on(self, nodes: Iterable[str]) -> bool:
         """Whether pods placed on ``nodes`` carry the ``RestartAllContainers`` rule (cached Nodes)."""
@@ -420,6 +424,16 @@ class Placer:
         await self.writer.emit(body, "Warning", reason, refused.message)
         return body, job, True
 
+    def _hold_back_while_unsettled(self, ref: identity.JobRef) -> None:
+        """Just restarted: the node sets of the jobs that may hold come first.  A job held back
+        is spaced out until the settle window ends and woken as the last of them settles."""
+        if self.waiting.unsettled(ref.uid):
+            until = time.monotonic() + self.waiting.hold_back(ref)
+            before = self._held_back.setdefault(ref.uid, self._next_plan.get(ref.uid, 0.0))
+            self._next_plan[ref.uid] = max(before, until)
+        elif ref.uid in self._held_back:  # settled: its own spacing, if any, again
+            self._next_plan[ref.uid] = self._held_back.pop(ref.uid)
+
     async def place(
         self, action: job_actions.Place, body: dict[str, Any], job: job_state.JobState
     ) -> Step:
@@ -429,9 +443,7 @@ class Placer:
         if action.missing is None:
             if self.create_failures.wait(ref.uid, job.generation, time.monotonic()) is not None:
                 return body, job, False  # refused recently: wait (outside the lock) for the backoff
-            if self.waiting.unsettled(ref.uid):  # just restarted: the holder's nodes come first
-                soon = time.monotonic() + reserving.SETTLE_RETRY_SECONDS
-                self._next_plan[ref.uid] = max(self._next_plan.get(ref.uid, 0.0), soon)
+            self._hold_back_while_unsettled(ref)
             if time.monotonic() < self._next_plan.get(ref.uid, 0.0):
                 self._deferred.add(ref.uid)  # planned as the spacing ends (``spaced_for``)
                 return body, job, False  # its last plan placed nothing: spaced by what it took

@@ -26,10 +26,6 @@ from meshtrain.operator.policy import (
 
 logger = logging.getLogger("meshtrain.operator")
 
-SETTLE_RETRY_SECONDS = 1.0
-"""A plan that waits for the holder's node set after a restart (``waiting.Queue.unsettled``) is
-tried again this soon."""
-
 
 async def refresh(
     queue: waiting.Queue, fit: gang_fit.GangFit, job: job_state.JobState, demand: feasibility.Demand
@@ -58,7 +54,7 @@ async def _plan(
     assert job.spec is not None
     ref, declared = job.ref, job.declared or job.spec
     raw_nodes, nodes, _ = fit.candidates(job, declared.resources.gpu_resource_name, clock.now())
-    drained = fit.cache.usage(without=reservation.ours(fit.cache.pods.values()))
+    drained = fit.cache.usage(ours_free=True)  # assumed pods are meshtrain's too
     smallest = min(spec.parallelism.data for _, spec in resizing.candidates(declared))
     metrics.RESERVATION_PLANS.labels(namespace=ref.namespace).inc()
     try:

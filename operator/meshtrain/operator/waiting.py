@@ -86,6 +86,9 @@ class Queue:
         (:meth:`unsettled`), until each had its node set asked for here."""
         self._settle_until = 0.0
         """Monotonic time past which :meth:`unsettled` answers False whatever is left."""
+        self._held_back: dict[str, Key] = {}
+        """UID -> (namespace, name) of the jobs :meth:`hold_back` held back: woken when the last
+        job that may hold settles (no pass every second while they wait)."""
         self._unfit: dict[str, int] = {}
         """UID -> node changes when its reservation's plan found no place: it may not hold until
         the nodes change."""
@@ -195,6 +198,7 @@ class Queue:
         if self.reservation is not None and self.reservation.holder == ref.uid:
             self.reservation = None
         self._unfit.pop(ref.uid, None)
+        self._held_back.pop(ref.uid, None)
         self.settled(ref.uid)  # placed or gone: nobody waits for its node set
         if left is not None:
             self._prune(left.need.shape)
@@ -281,9 +285,21 @@ class Queue:
         return uid not in self._may_hold and bool(self._may_hold)
 
     def settled(self, uid: str) -> None:
-        """This process asked for job ``uid``'s node set (planned, not due, or it placed)."""
-        if self._may_hold is not None:
-            self._may_hold.discard(uid)
+        """This process asked for job ``uid``'s node set (planned, not due, or it placed); the
+        last of them wakes the jobs held back."""
+        if self._may_hold is None:
+            return
+        self._may_hold.discard(uid)
+        if not self._may_hold and self._held_back:
+            held_back, self._held_back = self._held_back, {}
+            for key in held_back.values():
+                self.cache.waker.poke(key)
+
+    def hold_back(self, ref: identity.JobRef) -> float:
+        """Hold job ``ref``'s plan back while :meth:`unsettled`: it is woken when the last job
+        that may hold settles; the seconds until the settle window ends (a pass is owed then)."""
+        self._held_back[ref.uid] = (ref.namespace, ref.name)
+        return max(self._settle_until - time.monotonic(), 0.0)
 
     def reserved_nodes(self) -> frozenset[str]:
         """The nodes kept for the holder (none while its node set is not planned)."""

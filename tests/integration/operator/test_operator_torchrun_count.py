@@ -48,7 +48,7 @@ def test_a_torchrun_restart_is_counted_in_the_stored_status(
     for pod in cluster.wait_gang(namespace, "ddp", 2):
         cluster.set_pod_phase(namespace, pod.metadata.name, "Running", ip="127.0.0.1")
     agents = torchrun_agents.start_gang(
-        builder, tmp_path, launch.free_port(), MESHTRAIN_CHECKPOINT_DIR=str(tmp_path)
+        builder, tmp_path, launch.free_port(), MESHTRAIN_JOB_CHECKPOINT_DIR=str(tmp_path)
     )
     try:
         wait_for(

@@ -1,9 +1,10 @@
 """A plain PyTorch DDP program, as a researcher would write it, for `trainer.type: custom`.
 
 It knows nothing of meshtrain: torchrun gives it its rank and world, and it trains a small
-regression with DistributedDataParallel.  Rank 0 checkpoints to $MESHTRAIN_CHECKPOINT_DIR (every
---checkpoint-every steps, after the last one and on SIGTERM) by renaming a temporary file over the
-previous one, so a restarted gang resumes from the newest step.  With --progress-port (the spec's
+regression with DistributedDataParallel.  Rank 0 checkpoints to $MESHTRAIN_JOB_CHECKPOINT_DIR, the
+job's own directory on its checkpoint volume (else $MESHTRAIN_CHECKPOINT_DIR), every
+--checkpoint-every steps, after the last one and on SIGTERM, by renaming a temporary file over the
+previous one, so a restarted gang resumes from the newest step and jobs sharing a claim keep apart.  With --progress-port (the spec's
 trainer.progressPort), global rank 0 serves the operator's progress document there: its step, loss
 and how many times torchrun restarted its worker group (``recovery_counts.torchrun``, torchrun's
 own TORCHELASTIC_RESTART_COUNT), which the operator counts in status.recovery.byTier.torchrun.
@@ -117,7 +118,12 @@ def main() -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     target = torch.arange(16, dtype=torch.float32, device=device) / 16
 
-    checkpoint = pathlib.Path(os.environ.get("MESHTRAIN_CHECKPOINT_DIR", "/tmp")) / "ddp-example.pt"
+    folder = os.environ.get("MESHTRAIN_JOB_CHECKPOINT_DIR") or os.environ.get(
+        "MESHTRAIN_CHECKPOINT_DIR", "/tmp"
+    )
+    checkpoint = pathlib.Path(folder) / "ddp-example.pt"
+    if rank == 0:
+        checkpoint.parent.mkdir(parents=True, exist_ok=True)
     start = 0
     if checkpoint.exists():
         state = torch.load(checkpoint, map_location=device)

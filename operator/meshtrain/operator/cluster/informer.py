@@ -31,6 +31,7 @@ from meshtrain.operator.policy import (
     identity,
     kueue_workload,
     naming,
+    reservation,
 )
 
 logger = logging.getLogger("meshtrain.operator")
@@ -398,9 +399,13 @@ class Cache:
         """Node -> summed requests of the pods holding resources there (kept up to date per event)."""
         self._pods_on: Counter[str] = Counter()
         """Node -> how many such pods."""
+        self._ours: dict[str, Counter[str]] = {}
+        """Node -> the part of :attr:`_requested` that meshtrain's own pods (assumed ones
+        included) take, pod count under the key ``\\0pods``: what the reservation's plan counts
+        free without reading every pod."""
         self._usage_of: dict[str, feasibility.Usage] = {}
         """Node -> its usage as last asked for; dropped when a pod on the node changes."""
-        self.assumed = assumed.Assumed(self._charge_amounts)
+        self.assumed = assumed.Assumed(functools.partial(self._charge_amounts, ours=True))
         """Pods of planned gangs charged to their nodes before they exist (:meth:`assume`)."""
         self.waker: Waker = _Counted(self, _Asleep())
         self.capacity_changes = 0
@@ -484,9 +489,12 @@ class Cache:
 
     def _charge(self, pod: kube.Body, node: str | None, sign: int) -> None:
         if node:
-            self._charge_amounts(node, _charged(pod, bool(self._devices)), sign)
+            amounts = _charged(pod, bool(self._devices))
+            self._charge_amounts(node, amounts, sign, ours=reservation.is_ours(pod))
 
-    def _charge_amounts(self, node: str, amounts: Mapping[str, int], sign: int) -> None:
+    def _charge_amounts(
+        self, node: str, amounts: Mapping[str, int], sign: int, *, ours: bool = False
+    ) -> None:
         requested = self._requested.get(node)
         if requested is None:
             requested = self._requested[node] = Counter()
@@ -494,6 +502,12 @@ class Cache:
             requested[resource] += sign * amount
         self._pods_on[node] += sign
         self._usage_of.pop(node, None)
+        if ours:
+            counted = self._ours.setdefault(node, Counter())
+            counted.update({resource: sign * amount for resource, amount in amounts.items()})
+            counted["\0pods"] += sign
+            if not any(counted.values()):
+                del self._ours[node]
 
     def assume(self, job: str, pods: Iterable[kube.Body]) -> int:
         """Charge ``pods`` of job ``job``, about to be created, to their planned nodes until each
@@ -526,14 +540,19 @@ class Cache:
         for pod in pods:
             self._charge(pod, self._node_of(pod), 1)
 
-    def usage(self, *, without: Iterable[kube.Body] = ()) -> Mapping[str, feasibility.Usage]:
-        """What the pods on each node take (``feasibility.usage`` of them), leaving ``without`` out.
+    def usage(
+        self, *, without: Iterable[kube.Body] = (), ours_free: bool = False
+    ) -> Mapping[str, feasibility.Usage]:
+        """What the pods on each node take (``feasibility.usage`` of them), leaving ``without`` out,
+        or with ``ours_free`` every pod meshtrain placed or assumed (the reservation's view).
 
         Sums are kept per event and a node's usage is built when first read after a
         change of its pods, so a placement on 10,000 nodes and 100,000 pods adds nothing
         up, and the check of a gang's planned nodes reads only those.
         """
         self.assumed.expire(time.monotonic())
+        if ours_free:
+            return _UsageView(self, self._ours)
         left_out: dict[str, Counter[str]] = {}
         for pod in without:
             node = self._node_of(pod)

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from meshtrain.api import job_dir as api_job_dir
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import object_storage as api_object_storage
@@ -171,6 +172,10 @@ def _env(
         "MESHTRAIN_ATTEMPT": attempt,
         "MESHTRAIN_SPEC_FILE": naming.SPEC_FILE,
         "MESHTRAIN_CHECKPOINT_DIR": spec.checkpoint.path,
+        # the job's own directory on that root, for a custom program (meshtrain's trainer derives it)
+        "MESHTRAIN_JOB_CHECKPOINT_DIR": api_job_dir.job_dir(
+            spec.checkpoint.path, job.namespace, job.name
+        ),
         "MESHTRAIN_LOG_DIR": naming.log_dir(spec.checkpoint.path, job.namespace, job.name),
         "MESHTRAIN_METRICS_PORT": spec.metrics.port,
         "MESHTRAIN_TERMINATION_LOG": naming.TERMINATION_LOG,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from meshtrain import placement
@@ -72,14 +72,13 @@ def outside(free: Mapping[str, int], reserved: frozenset[str]) -> dict[str, int]
     return {node: room for node, room in free.items() if node not in reserved}
 
 
-def ours(pods: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The pods meshtrain placed (any job's): their GPUs count free for the holder's plan."""
-    return [
-        p
-        for p in pods
-        if ((p.get("metadata") or {}).get("labels") or {}).get(naming.LABEL_MANAGED_BY)
-        == naming.MANAGED_BY
-    ]
+def is_ours(pod: Mapping[str, Any]) -> bool:
+    """Whether meshtrain placed ``pod`` (any job's): its GPUs count free for the holder's plan.
+
+    The informer keeps labels only on the pods a TrainingJob controls (``informer.trim_pod``),
+    so a tenant's pod labelled as meshtrain's is not counted free."""
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    return bool(labels.get(naming.LABEL_MANAGED_BY) == naming.MANAGED_BY)
 
 
 def since_of(status: Mapping[str, Any], now: datetime.datetime) -> float:
