@@ -285,8 +285,9 @@ def _resumes(logs: str) -> list[tuple[str, int, str | None]]:
     return [(m[1], int(m[2]), m[3]) for m in RESUMED.finditer(logs)]
 
 
-def _kill_container(paths: supervisor.Paths, pod: dict) -> int:
-    """SIGKILL a pod's container from the host, as a crashed node process would die; returns its pid."""
+def _kill_container(paths: supervisor.Paths, pod: dict, signum: int = signal.SIGKILL) -> int:
+    """Signal a pod's container's main process from the host (SIGKILL: as a crashed node process
+    would die); returns its pid."""
     container = pod["status"]["containerStatuses"][0]["containerID"].removeprefix("containerd://")
     state = supervisor.read_state(paths) or {}
     its_node = next(
@@ -303,7 +304,7 @@ def _kill_container(paths: supervisor.Paths, pod: dict) -> int:
         [*ctr, "tasks", "ls"], capture_output=True, text=True, check=True
     ).stdout
     pid = next(int(line.split()[1]) for line in listed.splitlines() if line.startswith(container))
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, signum)
     return pid
 
 

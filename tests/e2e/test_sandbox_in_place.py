@@ -10,11 +10,15 @@ The example job (dp2·pp2 over two pods on the sandbox's two kubelet nodes), in-
 
 from __future__ import annotations
 
+import datetime
 import json
+import pathlib
+import signal
 import time
 from typing import Any
 
 import pytest
+import yaml
 
 from meshtrain.operator.policy import recovery_count
 from meshtrain.sandbox import example, supervisor
@@ -97,3 +101,96 @@ def test_a_killed_trainer_container_is_restarted_in_place_and_the_job_succeeds(
     ]
     assert any(pod["metadata"]["name"] in m and "SIGKILL" in m for m in told), told
     print(f"status.recovery: {json.dumps(recovery, indent=2)}")
+
+
+def _stamped(paths: supervisor.Paths, namespace: str, pod: str) -> list[tuple[float, str]]:
+    """``kubectl logs --timestamps`` of ``pod``'s trainer container: (Unix time, line) each."""
+    out = example.kubectl(
+        paths, "logs", "-n", namespace, pod, "-c", "trainer", "--timestamps", "--tail=-1"
+    )
+    lines = []
+    for line in out.splitlines():
+        stamp, _, text = line.partition(" ")
+        when = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+        lines.append((when.timestamp(), text))
+    return lines
+
+
+def test_a_custom_trainers_torchrun_killed_by_a_signal_restarts_its_pod_in_place(
+    sandbox: tuple[supervisor.Paths, dict], tmp_path: pathlib.Path
+) -> None:
+    """KEP-5532 on the sandbox's real kubelets: the custom DDP example with ``torchrunElastic``;
+    pod 1's torchrun dies by SIGABRT (134: torchrun itself crashed), the kubelet restarts every
+    container of that pod in place (``RestartAllContainers``), its agent joins pod 0's next
+    rendezvous round, and the job goes on to Succeeded with no gang rebuild.  Measured: the kill
+    to the first step after the resume, from the pods' log timestamps.
+
+    ``shareProcessNamespace`` makes torchrun a plain process of the pod (the pause container is
+    its init): as the init of its own PID namespace it would ignore a SIGABRT sent from outside
+    (signals without a handler reach a namespace's init only when the kernel forces them, as a
+    real crash does)."""
+    paths, _state = sandbox
+    document = yaml.safe_load((example.DEFAULT_EXAMPLE.parent / "custom-ddp.yaml").read_text())
+    name, steps, every = "sandbox-pod-restart", 4000, 100
+    document["metadata"]["name"] = name
+    spec = document["spec"]
+    spec["trainer"]["args"] = ["--steps", str(steps), "--checkpoint-every", str(every)]
+    spec["checkpoint"]["claimName"] = "pod-restart-checkpoints"
+    # no gang rebuild allowed: one would fail the job
+    spec["runPolicy"].update(backoffLimit=0, recovery={"torchrunElastic": True})
+    spec["podTemplateOverride"] = {"spec": {"shareProcessNamespace": True}}
+    manifest = tmp_path / f"{name}.yaml"
+    manifest.write_text(yaml.safe_dump(document))
+    namespace, _ = example.apply(paths, manifest)
+
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        pods = _pods(paths, name)
+        if len(pods) == 2 and all(p["status"].get("phase") == "Running" for p in pods):
+            zero = next(p for p in pods if p["metadata"]["labels"]["meshtrain.io/node-rank"] == "0")
+            saved = [t for _, t in _stamped(paths, namespace, zero["metadata"]["name"])]
+            if any(line.startswith(f"saved step {every} ") for line in saved):
+                break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"no first checkpoint of {name} within 600 s")
+    pod = next(p for p in pods if p["metadata"]["labels"]["meshtrain.io/node-rank"] == "1")
+    [rule] = next(c for c in pod["spec"]["containers"] if c["name"] == "trainer").get(
+        "restartPolicyRules"
+    ) or [None]
+    nodes = json.loads(example.kubectl(paths, "get", "nodes", "-o", "json"))["items"]
+    features = {n["metadata"]["name"]: n["status"].get("declaredFeatures") for n in nodes}
+    assert rule is not None and rule["action"] == "RestartAllContainers", (
+        f"pod 1 carries no RestartAllContainers rule; the nodes declare {features}"
+    )
+    killed = _kill_container(paths, pod, signal.SIGABRT)
+    killed_at = time.time()
+    print(f"SIGABRT to torchrun (pid {killed}) of {pod['metadata']['name']}")
+
+    restarted = _restarted(paths, name, pod["metadata"]["name"])
+    print(
+        f"the kubelet restarted the pod's containers {time.time() - killed_at:.1f}s after the kill"
+    )
+    assert restarted["metadata"]["uid"] == pod["metadata"]["uid"], "the same pod"
+    print(f"its trainer's last state: {_trainer(restarted).get('lastState')}")
+
+    final = example.follow(paths, namespace, name, timeout=900)
+    status = final["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=2)
+    assert not status.get("restarts"), f"no gang rebuild: {json.dumps(status, indent=2)}"
+    recovery = status.get("recovery") or {}
+    assert recovery.get("inPlaceRestarts", 0) >= 1, recovery
+    zero = next(
+        p for p in _pods(paths, name) if p["metadata"]["labels"]["meshtrain.io/node-rank"] == "0"
+    )
+    logged = _stamped(paths, namespace, zero["metadata"]["name"])
+    resumed = next(i for i, (when, t) in enumerate(logged) if when > killed_at and "resumed" in t)
+    first_step = next(when for when, t in logged[resumed:] if t.startswith("step "))
+    print(
+        f"status.recovery: {json.dumps(recovery)}; "
+        f"{logged[resumed][1]}; first step {first_step - killed_at:.1f}s after the kill"
+    )
+    root = paths.root / "volumes" / namespace / spec["checkpoint"]["claimName"]
+    import torch  # noqa: PLC0415 - only these tests read a torch file
+
+    assert torch.load(root / namespace / name / "ddp-example.pt")["step"] == steps
