@@ -280,8 +280,9 @@ class Queue:
                 for job in self.cache.jobs.values()
                 if reservation.may_hold(job, stamp, self.reserve_after)
             } - self._planned.keys()  # planned here already: asked for its node set then
-        if now >= self._settle_until:
+        if now >= self._settle_until:  # the held-back jobs' own passes are owed now
             self._may_hold.clear()
+            self._held_back.clear()
         return uid not in self._may_hold and bool(self._may_hold)
 
     def settled(self, uid: str) -> None:
