@@ -12,7 +12,7 @@ import re
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "install.md"
-ORDER = ("release", "install", "job")
+ORDER = ("release", "install", "claim", "job")
 """The marked blocks, in the order a user runs them."""
 _BLOCK = re.compile(r"<!-- install-test: ([a-z-]+) -->\n```sh\n(.*?)\n```", re.DOTALL)
 VERSIONS = re.compile(r"(?:operator:|trainer:|--version |meshtrain-|version |\()(\d+\.\d+\.\d+)\b")

@@ -147,8 +147,9 @@ def test_install_md_runs_against_the_sandbox(sandbox: tuple[supervisor.Paths, di
         "REGISTRY": prefix,
         "PATH": f"{binaries.cache_bin_dir()}:{install_doc.REPO / '.venv' / 'bin'}:{os.environ['PATH']}",
     }
-    # The page's first job keeps its checkpoints on this claim (the page says so).
-    example.ensure_claim(paths, namespace="default", claim="sandbox-checkpoints")
+    # The page creates the first job's claim; the sandbox's volume for it stands in for the
+    # cluster's ReadWriteMany storage class (the sandbox has no provisioner).
+    example.provision_for(paths, namespace="default", claim="sandbox-checkpoints")
     blocks = install_doc.blocks()
     for name in install_doc.ORDER:
         _run(name, install_doc.for_sandbox(name, blocks[name], prefix), env, paths)

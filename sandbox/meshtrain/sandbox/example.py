@@ -41,39 +41,71 @@ def ensure_claim(
     paths: supervisor.Paths, *, namespace: str, claim: str, size: str = "10Gi"
 ) -> pathlib.Path:
     """A PVC bound to a hostPath PV on ``<state>/volumes/<ns>/<claim>`` (the sandbox's storage)."""
+    directory, volume = _volume(paths, namespace, claim, size)
+    kubectl(
+        paths,
+        "apply",
+        "-f",
+        "-",
+        stdin="\n---\n".join(
+            yaml.safe_dump(o) for o in (volume, _claim(namespace, claim, size, volume))
+        ),
+    )
+    return directory
+
+
+def provision_for(
+    paths: supervisor.Paths, *, namespace: str, claim: str, size: str = "10Gi"
+) -> pathlib.Path:
+    """A fresh hostPath PV on ``<state>/volumes/<ns>/<claim>`` waiting for a PVC of that name
+    that the user creates (what a cluster's ReadWriteMany storage class provisions); an earlier
+    PVC of the name and its volume are deleted first."""
+    directory, volume = _volume(paths, namespace, claim, size)
+    kubectl(paths, "delete", "pvc", claim, "-n", namespace, "--ignore-not-found", "--wait=true")
+    kubectl(paths, "delete", "pv", volume["metadata"]["name"], "--ignore-not-found", "--wait=true")
+    kubectl(paths, "create", "-f", "-", stdin=yaml.safe_dump(volume))
+    return directory
+
+
+def _volume(
+    paths: supervisor.Paths, namespace: str, claim: str, size: str
+) -> tuple[pathlib.Path, dict[str, Any]]:
+    """The directory and the PV kept for claim ``namespace/claim``."""
     directory = paths.root / "volumes" / namespace / claim
     directory.mkdir(parents=True, exist_ok=True)
     # hostPath volumes ignore fsGroup: the pods' non-root user needs the directory writable.
     directory.chmod(0o777)
-    pv_name = f"sandbox-{namespace}-{claim}"[:63]
-    objects = [
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolume",
-            "metadata": {"name": pv_name, "labels": {"meshtrain.io/sandbox-volume": "true"}},
-            "spec": {
-                "capacity": {"storage": size},
-                "accessModes": ["ReadWriteMany"],
-                "persistentVolumeReclaimPolicy": "Retain",
-                "storageClassName": "",
-                "hostPath": {"path": str(directory), "type": "DirectoryOrCreate"},
-                "claimRef": {"namespace": namespace, "name": claim},
-            },
+    volume = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {
+            "name": f"sandbox-{namespace}-{claim}"[:63],
+            "labels": {"meshtrain.io/sandbox-volume": "true"},
         },
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": {"name": claim, "namespace": namespace},
-            "spec": {
-                "accessModes": ["ReadWriteMany"],
-                "storageClassName": "",
-                "volumeName": pv_name,
-                "resources": {"requests": {"storage": size}},
-            },
+        "spec": {
+            "capacity": {"storage": size},
+            "accessModes": ["ReadWriteMany"],
+            "persistentVolumeReclaimPolicy": "Retain",
+            "storageClassName": "",
+            "hostPath": {"path": str(directory), "type": "DirectoryOrCreate"},
+            "claimRef": {"namespace": namespace, "name": claim},
         },
-    ]
-    kubectl(paths, "apply", "-f", "-", stdin="\n---\n".join(yaml.safe_dump(o) for o in objects))
-    return directory
+    }
+    return directory, volume
+
+
+def _claim(namespace: str, claim: str, size: str, volume: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": claim, "namespace": namespace},
+        "spec": {
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "",
+            "volumeName": volume["metadata"]["name"],
+            "resources": {"requests": {"storage": size}},
+        },
+    }
 
 
 RESTRICTED = {
