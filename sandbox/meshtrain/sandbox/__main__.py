@@ -137,6 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         except extras.MissingExtra as err:
             print(err, file=sys.stderr)
             return extras.EXIT_CODE
+        if not (supervisor.REPO / "scripts" / "bootstrap.sh").is_file():
+            print(
+                f"python -m meshtrain.sandbox {args.command} runs from a checkout of meshtrain: "
+                "it builds the cluster's binaries and the images with the checkout's scripts/ "
+                f"(not found under {supervisor.REPO}). Clone the repository and run `make run` "
+                "there (docs/sandbox.md)",
+                file=sys.stderr,
+            )
+            return extras.EXIT_CODE
     paths = supervisor.Paths((args.state_dir or supervisor.default_state_dir()).resolve())
     paths.root.mkdir(parents=True, exist_ok=True)
     return int(args.handler(paths, args))
