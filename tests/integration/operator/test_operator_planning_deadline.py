@@ -1,7 +1,7 @@
 """Hostile jobs never stall the operator: plans run in its planning worker under a deadline.
 
 Integration tier (``make test``): the real API server, kube-scheduler and an operator subprocess
-electing itself through a real Lease (3 s, renewed within 2 s).  Hostile jobs of the largest
+electing itself through a real Lease (:data:`LEASE_SECONDS`).  Hostile jobs of the largest
 world the CRD admits (65,536 GPUs) arrive with a normal one: one with a fixed layout, which plans
 in well under a second and waits with a clear reason; one with an elastic range down to 1, on a
 pool with no room, where every one of its 8,192 degrees would be planned (minutes), which the
@@ -26,7 +26,10 @@ from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_fo
 pytestmark = pytest.mark.integration
 
 DEADLINE_SECONDS = 8.0
-LEASE_SECONDS = 3
+LEASE_SECONDS = 5
+"""Longer than the suite's 3 s: on a loaded 2-core machine one Lease write took about 2 s (a CI
+run at load average 8 saw a 3.09 s gap between renewals), while a plan on the event loop would
+stop renewals for the whole :data:`DEADLINE_SECONDS`, which this still catches."""
 
 
 @pytest.fixture
