@@ -180,6 +180,9 @@ def test_a_custom_trainers_torchrun_killed_by_a_signal_restarts_its_pod_in_place
     assert not status.get("restarts"), f"no gang rebuild: {json.dumps(status, indent=2)}"
     recovery = status.get("recovery") or {}
     assert recovery.get("inPlaceRestarts", 0) >= 1, recovery
+    assert recovery["byTier"]["container"] == 1, recovery
+    # the kubelet reports 137 for every container of a pod restarted whole, whatever the signal
+    assert recovery["last"]["cause"] == "pod restarted in place (RestartAllContainers)", recovery
     zero = next(
         p for p in _pods(paths, name) if p["metadata"]["labels"]["meshtrain.io/node-rank"] == "0"
     )

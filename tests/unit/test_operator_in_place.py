@@ -186,6 +186,10 @@ def test_the_kubelet_signal_names_the_cause_over_the_exit_code():
     assert recovery_count.cause(pod_state.LastExit(2, signal=6)) == "SIGABRT"
     assert recovery_count.cause(pod_state.LastExit(137, reason="OOMKilled")) == "OOMKilled"
     assert recovery_count.cause(pod_state.LastExit(255)) == "signal 127"
+    # KEP-5532 as the sandbox's v1.36.3 kubelet reported it after a SIGABRT of torchrun
+    # (tests/e2e/test_sandbox_in_place.py): 137 and this reason on every container
+    restarted_all = pod_state.LastExit(137, reason="RestartingAllContainers")
+    assert recovery_count.cause(restarted_all) == recovery_count.POD_RESTART_CAUSE
 
 
 RECORD = TRAINER_DOCUMENT["recovery"][0]

@@ -49,6 +49,9 @@ ALL_CONTAINERS_SINCE = (1, 36)
 """Kubernetes version whose API server accepts the ``RestartAllContainers`` action by default
 (KEP-5532 beta; 1.35 refuses it unless the alpha gate is on)."""
 RESTART_ALL = "RestartAllContainers"
+RESTARTING_ALL = "RestartingAllContainers"
+"""The reason v1.36.3's kubelet writes in every container's ``lastState.terminated`` (with exit
+code 137, whatever ended the one that fired the rule) when it restarts a pod in place."""
 NODE_FEATURE = "RestartAllContainersOnContainerExits"
 """The feature a node lists in ``status.declaredFeatures`` when its kubelet runs the
 ``RestartAllContainers`` action (k8s.io/component-helpers nodedeclaredfeatures, v1.36.3)."""

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.policy import conditions, pod_failure, pod_state
+from meshtrain.operator.policy import conditions, kubelet_tier, pod_failure, pod_state
 
 TIERS = ("process", "container", "pod", "torchrun")
 """The in-place tiers ``status.recovery.byTier`` counts."""
@@ -139,10 +139,18 @@ def _record(**known: Any) -> dict[str, Any]:
     return {key: known.get(key) for key in RECORD_KEYS}
 
 
+POD_RESTART_CAUSE = "pod restarted in place (RestartAllContainers)"
+"""The cause of a KEP-5532 pod restart: the kubelet's report says only that (and 137)."""
+
+
 def cause(last: pod_state.LastExit) -> str:
-    """Why a container ended, in the words of a recovery record: OOMKilled, SIGKILL, exit 1."""
+    """Why a container ended, in the words of a recovery record: OOMKilled, SIGKILL, exit 1, or
+    :data:`POD_RESTART_CAUSE` when the kubelet restarted the whole pod (its report then hides the
+    exit code of the container that fired the rule)."""
     if last.reason == "OOMKilled":
         return "OOMKilled"
+    if last.reason == kubelet_tier.RESTARTING_ALL:
+        return POD_RESTART_CAUSE
     number = last.signal or (last.exit_code - 128 if last.exit_code > 128 else None)
     if number is not None:
         try:
