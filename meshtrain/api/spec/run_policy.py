@@ -131,8 +131,8 @@ class Recovery(base.SpecModel):
         False,
         description="A custom trainer whose command is torchrun (or python -m torch.distributed.run), with inPlace: "
         "its torchrun restarts all its workers in a new c10d rendezvous round (--max-restarts inPlaceLimit per "
-        "agent), and where the operator serves it a pod but pod 0 whose torchrun is killed restarts whole in place "
-        "(unmeasured). torchrun's restarts are counted in status.recovery.byTier.torchrun when the program reports "
+        "agent), and where the operator serves it a pod but pod 0 whose torchrun is killed by a signal restarts whole "
+        "in place (KEP-5532). torchrun's restarts are counted in status.recovery.byTier.torchrun when the program reports "
         "them (recovery_counts.torchrun on trainer.progressPort); gangs of more than 10 pods keep the gang "
         "rebuild (docs/recovery.md).",
     )
