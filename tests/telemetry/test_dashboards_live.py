@@ -28,6 +28,7 @@ import prometheus_client
 import pytest
 import yaml
 
+from meshtrain.api import job_dir
 from meshtrain.api import layout as layout_mod
 from meshtrain.operator.cluster import metrics as operator_metrics
 from meshtrain.sandbox import example, supervisor
@@ -107,8 +108,9 @@ def live_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
         assert final["status"]["phase"] == "Succeeded", json.dumps(final["status"], indent=2)
         waiting = example.job(paths, NAMESPACE, WAITING) or {}
         assert (waiting.get("status") or {}).get("phase") == "Pending", waiting.get("status")
+        claim = paths.root / "volumes" / NAMESPACE / "obs-live-ckpt"  # the job's own logs on it
         records = steplog.read(
-            paths.root / "volumes" / NAMESPACE / "obs-live-ckpt" / "logs" / steplog.FILENAME
+            Path(job_dir.log_dir(str(claim), namespace, name)) / steplog.FILENAME
         )
         trained = records[-1]["time"] - records[0]["time"]
         assert trained > 15, f"the job trained only {trained:.1f}s: too short for the rate windows"
