@@ -20,6 +20,7 @@ import dataclasses
 import importlib.util
 import json
 import re
+import subprocess
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +33,7 @@ from meshtrain.api import job_dir
 from meshtrain.api import layout as layout_mod
 from meshtrain.operator.cluster import metrics as operator_metrics
 from meshtrain.sandbox import example, supervisor
+from meshtrain.sandbox.controlplane import binaries
 from meshtrain.trainer.telemetry import context, exporter, steplog
 from tests.telemetry import conftest, promserver
 
@@ -68,6 +70,24 @@ def _reload_with_fast_rules(paths: supervisor.Paths, url: str) -> None:
         assert answer.status == 200
 
 
+RESERVE_AFTER_SECONDS = 20
+"""The operator's ``reserveAfterSeconds`` in this run: the waiting job comes to hold the
+reservation while the other trains, so the reservation-plan series (the operator dashboard's
+placement panel) has data."""
+
+
+def _reserve_soon(paths: supervisor.Paths) -> None:
+    """``helm upgrade`` of the sandbox's release, its values kept but ``reserveAfterSeconds``."""
+    helm = binaries.cache_bin_dir() / "helm"
+    subprocess.run(
+        [str(helm), "upgrade", supervisor.RELEASE, str(REPO / "charts" / "meshtrain"),
+         "--namespace", supervisor.NAMESPACE, "--reuse-values",
+         "--set", f"operator.reserveAfterSeconds={RESERVE_AFTER_SECONDS}",
+         "--kubeconfig", str(paths.kubeconfig), "--wait", "--timeout", "5m"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+
+
 def _job_manifest(paths: supervisor.Paths) -> Path:
     document = yaml.safe_load(example.DEFAULT_EXAMPLE.read_text())
     document["metadata"]["name"] = JOB
@@ -102,6 +122,7 @@ def live_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
     try:
         url = state["prometheus_url"]
         _reload_with_fast_rules(paths, url)
+        _reserve_soon(paths)
         example.kubectl(paths, "apply", "-f", str(_waiting_manifest(paths)))
         namespace, name = example.apply(paths, _job_manifest(paths))
         final = example.follow(paths, namespace, name, timeout=900, on_change=print)
@@ -200,6 +221,12 @@ def test_prometheus_scraped_every_metric_the_exporters_declare(live_run):
     labelled_on_event = {  # a child per restarted (resized) job
         "meshtrain_operator_gang_restarts_total",
         "meshtrain_operator_elastic_resizes_total",
+        # a child per recovery cause: this run is not faulted
+        "meshtrain_recoveries_total",
+        # observed only under context parallelism (parallelism.context > 1), which this job has not
+        "meshtrain_context_ring_seconds_bucket",
+        "meshtrain_context_ring_seconds_count",
+        "meshtrain_context_ring_seconds_sum",
     }
     missing = (trainer_names() | operator_names()) - scraped - labelled_on_event
     assert not missing, f"declared by an exporter, never scraped: {sorted(missing)}"
