@@ -20,7 +20,6 @@ import dataclasses
 import importlib.util
 import json
 import re
-import subprocess
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +32,6 @@ from meshtrain.api import job_dir
 from meshtrain.api import layout as layout_mod
 from meshtrain.operator.cluster import metrics as operator_metrics
 from meshtrain.sandbox import example, supervisor
-from meshtrain.sandbox.controlplane import binaries
 from meshtrain.trainer.telemetry import context, exporter, steplog
 from tests.telemetry import conftest, promserver
 
@@ -70,22 +68,15 @@ def _reload_with_fast_rules(paths: supervisor.Paths, url: str) -> None:
         assert answer.status == 200
 
 
-RESERVE_AFTER_SECONDS = 20
-"""The operator's ``reserveAfterSeconds`` in this run: the waiting job comes to hold the
-reservation while the other trains, so the reservation-plan series (the operator dashboard's
-placement panel) has data."""
-
-
-def _reserve_soon(paths: supervisor.Paths) -> None:
-    """``helm upgrade`` of the sandbox's release, its values kept but ``reserveAfterSeconds``."""
-    helm = binaries.cache_bin_dir() / "helm"
-    subprocess.run(
-        [str(helm), "upgrade", supervisor.RELEASE, str(REPO / "charts" / "meshtrain"),
-         "--namespace", supervisor.NAMESPACE, "--reuse-values",
-         "--set", f"operator.reserveAfterSeconds={RESERVE_AFTER_SECONDS}",
-         "--kubeconfig", str(paths.kubeconfig), "--wait", "--timeout", "5m"],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
+EVENT_DRIVEN = {
+    "meshtrain_operator_replans_total": "a waiting job is planned again only after a capacity "
+    "change that could admit it: the run's waiting job asks more GPUs than the sandbox has",
+    "meshtrain_operator_reservation_plans_total": "only a job that could fit once meshtrain's "
+    "pods are gone holds the reservation, which the run's waiting job cannot",
+}
+"""Operator series this healthy run cannot produce, and why; their panels' queries must still
+be valid here, and tests/telemetry/test_operator_dashboard_scrape.py answers them from the
+operator's real registry."""
 
 
 def _job_manifest(paths: supervisor.Paths) -> Path:
@@ -122,7 +113,6 @@ def live_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
     try:
         url = state["prometheus_url"]
         _reload_with_fast_rules(paths, url)
-        _reserve_soon(paths)
         example.kubectl(paths, "apply", "-f", str(_waiting_manifest(paths)))
         namespace, name = example.apply(paths, _job_manifest(paths))
         final = example.follow(paths, namespace, name, timeout=900, on_change=print)
@@ -227,6 +217,7 @@ def test_prometheus_scraped_every_metric_the_exporters_declare(live_run):
         "meshtrain_context_ring_seconds_bucket",
         "meshtrain_context_ring_seconds_count",
         "meshtrain_context_ring_seconds_sum",
+        *EVENT_DRIVEN,
     }
     missing = (trainer_names() | operator_names()) - scraped - labelled_on_event
     assert not missing, f"declared by an exporter, never scraped: {sorted(missing)}"
@@ -252,7 +243,8 @@ def test_every_panel_query_returns_data(live_run, path):
     for panel in board["panels"]:
         for target in panel.get("targets", []):
             result = live_run.prom.query(_resolve(live_run, board, target["expr"]), live_run.at)
-            if not result and panel.get("meshtrainOptional") != "dcgm":
+            event_driven = any(name in target["expr"] for name in EVENT_DRIVEN)
+            if not result and panel.get("meshtrainOptional") != "dcgm" and not event_driven:
                 empty.append(f"{panel['title']} [{target['refId']}]: {target['expr']}")
     assert not empty, "panels without data:\n" + "\n".join(empty)
 
