@@ -60,18 +60,36 @@ def shim(folder: Path) -> Path:
 
 
 def loopback_env(pod: dict[str, Any], port: int, bin_dir: Path, **extra: str) -> dict[str, str]:
-    """The pod's plain environment (``valueFrom`` ones left out) moved to 127.0.0.1:``port``."""
+    """The pod's plain environment (``valueFrom`` ones left out) moved to 127.0.0.1:``port``, with
+    every path on its checkpoint volume moved under ``bin_dir``'s folder.
+
+    The volume's paths must never reach the host as they are: a test run as root would create them
+    at ``/`` and the next run, in any clone, would resume from the last one's checkpoint.
+    """
     container = pod["spec"]["containers"][0]
     plain = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     host, master_port = plain["MASTER_ADDR"], plain["MASTER_PORT"]
+    volume, folder = plain["MESHTRAIN_CHECKPOINT_DIR"], str(bin_dir.parent)
     moved = {
-        key: value.replace(f"{host}:{master_port}", f"127.0.0.1:{port}").replace(host, "127.0.0.1")
+        key: _on_volume_moved(
+            value.replace(f"{host}:{master_port}", f"127.0.0.1:{port}").replace(host, "127.0.0.1"),
+            volume,
+            folder,
+        )
         for key, value in plain.items()
     }
     moved["MASTER_PORT"] = moved["PET_MASTER_PORT"] = str(port)
+    moved["MESHTRAIN_TERMINATION_LOG"] = f"{folder}/termination-log"
     assert master_port == str(naming.MASTER_PORT)
     path = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
     return {**os.environ, **moved, "PATH": path, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _on_volume_moved(value: str, volume: str, folder: str) -> str:
+    """``value`` with a leading ``volume`` path replaced by ``folder`` (other values as they are)."""
+    if value == volume or value.startswith(volume.rstrip("/") + "/"):
+        return folder + value[len(volume.rstrip("/")) :]
+    return value
 
 
 def start(pod: dict[str, Any], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
