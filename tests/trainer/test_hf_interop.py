@@ -141,6 +141,7 @@ def test_every_layout_starts_from_the_directory(tmp_path):
         "tp2-sp": imported.clone().layout(tensor=2).parallelism(sequenceParallel=True),
         "pp2": imported.clone().layout(pipeline=2).parallelism(microBatches=2),
         "dp2": imported.clone().layout(data=2),
+        "dp2-zero3": imported.clone().layout(data=2).parallelism(zeroStage=3),
     }
     specs = [(name, run.raw()) for name, run in cases.items()]
     results = mt_harness.run_distributed(mt_workers.train_cases, 2, specs, 1)

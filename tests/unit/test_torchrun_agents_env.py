@@ -21,7 +21,8 @@ def test_no_path_the_pod_would_write_reaches_the_host_outside_the_tests_folder(
         volume = built["MESHTRAIN_CHECKPOINT_DIR"]
         written = [key for key, value in built.items() if value.startswith(volume)]
         written.append("MESHTRAIN_TERMINATION_LOG")
-        assert "MESHTRAIN_JOB_CHECKPOINT_DIR" in written  # the builders still give the job's own one
+        # the builders still give the job's own directory
+        assert "MESHTRAIN_JOB_CHECKPOINT_DIR" in written
         env = torchrun_agents.loopback_env(pod, 29999, tmp_path / "bin")
         for key in written:
             assert Path(env[key]).is_relative_to(tmp_path), (key, env[key])

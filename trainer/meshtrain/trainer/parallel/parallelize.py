@@ -164,7 +164,15 @@ def parallelize(
         wire_dtype=wire_dtype,
         overlap=overlap_tensor,
     )
-    for chunk in chunks:
+    # Under ZeRO-3 a model still wholly on meta stays there: FSDP2 shards the shapes and each rank
+    # then builds only its rows (zero3.materialize_shards), never the whole stage.
+    sharded_on_meta = (
+        zero_stage == 3
+        and mesh.grad_group[1] > 1
+        and float8_spec is None
+        and zero3.shards_on_meta(chunks)
+    )
+    for chunk in chunks if not sharded_on_meta else ():
         gpt.materialize(chunk)
         chunk.to(mesh.device)
     # 2b. fp8: the blocks' linears become torchao's float8 linears, on their device.  After TP
@@ -206,6 +214,8 @@ def parallelize(
         clock=clock,
         wire_dtype=wire_dtype,
     )
+    if sharded_on_meta:
+        zero3.materialize_shards(chunks, mesh.device)
     # the parameters every later step holds (ZeRO-3's DTensors): a tied head on the last stage is
     # the embedding matrix, by name too (initial value, checkpoint)
     named = [

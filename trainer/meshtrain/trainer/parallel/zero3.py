@@ -19,6 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor
 
+from meshtrain.trainer.models import gpt
 from meshtrain.trainer.telemetry import clocks, recording
 
 
@@ -135,12 +136,44 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def flat_offset(param: torch.Tensor) -> int:
-    """Where this rank's dim-0 shard of ``param`` starts in the flat order of the whole (TP-local) tensor."""
-    if not isinstance(param, DTensor):
-        return 0
+def shard_rows(param: torch.Tensor) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of the whole (TP-local) tensor that this rank's dim-0 shard of ``param`` holds."""
     rows = param.shape[0]
+    if not isinstance(param, DTensor):
+        return 0, rows
     size, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
     per_rank = -(-rows // size)  # torch.chunk's split: the last ranks may hold fewer rows (or none)
-    row_numel = math.prod(param.shape[1:])
-    return min(rank * per_rank, rows) * row_numel
+    return min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
+
+
+def flat_offset(param: torch.Tensor) -> int:
+    """Where this rank's dim-0 shard of ``param`` starts in the flat order of the whole (TP-local) tensor."""
+    return shard_rows(param)[0] * math.prod(param.shape[1:])
+
+
+def shards_on_meta(chunks: list[torch.nn.Module]) -> bool:
+    """Whether every parameter of ``chunks`` is still on ``meta``, so that FSDP2 can shard the shapes
+    and each rank then builds only its own rows (:func:`materialize_shards`).  Not so under tensor
+    parallelism, whose swap builds (and reads) each rank's pieces first."""
+    return all(p.is_meta for chunk in chunks for p in chunk.parameters())
+
+
+def materialize_shards(chunks: list[gpt.GPT], device: torch.device) -> None:
+    """Give each rank's dim-0 shard of every parameter sharded on ``meta`` its initial value, alone.
+
+    After :func:`apply_zero3` on a model still on ``meta``: FSDP2 allocates the shards on
+    ``device`` (``to_empty``) and each is filled with its rows of the dense tensor
+    (:func:`meshtrain.trainer.models.gpt.dense_piece`), so a start from a Hugging Face directory
+    reads ``1/dp`` of each tensor's rows and no rank holds an unsharded parameter on its device;
+    from the seed each tensor is made whole on the CPU, one at a time, and cut.  Equal, element for
+    element, to sharding the materialised model.
+    """
+    for chunk in chunks:
+        shapes = {name: param.shape for name, param in chunk.named_parameters()}
+        chunk.to_empty(device=device)
+        with torch.no_grad():
+            for name, param in chunk.named_parameters():
+                start, stop = shard_rows(param)
+                dense = torch.empty(shapes[name], device="meta")
+                rows = gpt.dense_piece(chunk, name, dense, 0, [(start, stop)])
+                local(param).copy_(rows)
