@@ -3,15 +3,17 @@
 Writes, with transformers at random init (no hub), a Llama directory of TinyLlama-1.1B's shape
 (22 layers, hidden 2048, 32 heads, 4 key/value heads, MLP 5632, vocabulary 32000: 1.10e9
 parameters, 4.4 GB of fp32 safetensors) and a raw uint16 token file without ``data prepare``
-metadata (``--token-gib``), then starts the job on each layout (dp1·tp2 and dp2·pp2, gloo on
-the CPU, one thread per rank) twice:
+metadata (``--token-gib``), then starts the job on each layout (dp1·tp2, dp2·pp2 and dp2 under
+ZeRO-3, gloo on the CPU, one thread per rank) twice:
 
 * ``before``: the code paths of the commit before issue 33's fast starts, put back in each rank
   process: ``tensor.shard_param`` is the old ``shard(dense_value(...))`` (each tensor-parallel
   rank reads every dense tensor whole, then cuts its piece) and ``engine.scan_share`` returns
   None (every rank scans every id of every file);
-* ``after``: this tree (a rank reads only its slices; the ranks split the scan of a file no
-  record vouches for, rank 0 records it).
+  Under ZeRO-3 (``dp2z3``) ``zero3.shards_on_meta`` is made to say False, as before
+  ``materialize_shards``: each rank materialises (reads) the whole model, then FSDP2 shards it;
+* ``after``: this tree (a rank reads only its slices, under ZeRO-3 only its FSDP2 shards' rows;
+  the ranks split the scan of a file no record vouches for, rank 0 records it).
 
 Each rank runs what ``meshtrain.trainer.worker`` runs before its first step (the spec completed
 from ``config.json`` and checked, the process group, the mesh, the engine: dataset opened and
@@ -22,7 +24,7 @@ adds gradients and AdamW's two moments (12 bytes per parameter on top of the 4 o
 about 13 GB over the ranks, more than a small shared machine has; the start is what issue 33
 item 6 is about.  Scan records are removed before every run, so each run scans from nothing.
 
-Run: ``python benchmarks/bench_fast_start.py [--token-gib 1] [--layouts tp2,dp2pp2]``
+Run: ``python benchmarks/bench_fast_start.py [--token-gib 1] [--layouts tp2,dp2pp2,dp2z3]``
 (``python -m benchmarks fast_start``); results in ``benchmarks/results/fast_start-<host>.json``.
 """
 
@@ -50,7 +52,7 @@ from meshtrain.trainer import engine, launch
 from meshtrain.trainer.interop import from_hf
 from meshtrain.trainer.models import gpt, llama
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import pipeline, tensor
+from meshtrain.trainer.parallel import pipeline, tensor, zero3
 
 SHAPE = {
     "vocab_size": 32000,
@@ -64,8 +66,12 @@ SHAPE = {
     "rope_theta": 10000.0,
 }
 """TinyLlama-1.1B's config.json shape."""
-LAYOUTS = {"tp2": {"data": 1, "pipeline": 1, "tensor": 2}, "dp2pp2": {"data": 2, "pipeline": 2}}
-"""The layouts issue 33 names: dp1·tp2 and dp2·pp2."""
+LAYOUTS = {
+    "tp2": {"data": 1, "pipeline": 1, "tensor": 2},
+    "dp2pp2": {"data": 2, "pipeline": 2},
+    "dp2z3": {"data": 2, "zeroStage": 3},
+}
+"""The layouts issue 33 names, dp1·tp2 and dp2·pp2, and dp2 under ZeRO-3 (FSDP2)."""
 SMOKE = {
     **SHAPE,
     "vocab_size": 512,
@@ -170,6 +176,7 @@ def rank_main(raw: dict[str, Any], mode: str, out: Path, launched: float) -> Non
     if mode == "before":  # the parent commit's paths (see the module docstring)
         tensor.shard_param = _whole_then_cut
         engine.scan_share = lambda device: None
+        zero3.shards_on_meta = lambda chunks: False
     imported = time.time()
     job = from_hf.check_spec(loading.parse_spec(raw))
     mesh_mod.init_process_group(use_cuda=False)
