@@ -164,7 +164,8 @@ def materialize_shards(chunks: list[gpt.GPT], device: torch.device) -> None:
     After :func:`apply_zero3` on a model still on ``meta``: FSDP2 allocates the shards on
     ``device`` (``to_empty``) and each is filled with its rows of the dense tensor
     (:func:`meshtrain.trainer.models.gpt.dense_piece`), so a start from a Hugging Face directory
-    reads ``1/dp`` of each tensor's rows and no rank holds an unsharded parameter on its device;
+    reads each tensor's rows once over the data-parallel (data x context) ranks and no rank builds
+    an unsharded parameter;
     from the seed each tensor is made whole on the CPU, one at a time, and cut.  Equal, element for
     element, to sharding the materialised model.
     """
