@@ -3,15 +3,16 @@
 Writes, with transformers at random init (no hub), a Llama directory of TinyLlama-1.1B's shape
 (22 layers, hidden 2048, 32 heads, 4 key/value heads, MLP 5632, vocabulary 32000: 1.10e9
 parameters, 4.4 GB of fp32 safetensors) and a raw uint16 token file without ``data prepare``
-metadata (``--token-gib``), then starts the job on each layout (dp1·tp2, dp2·pp2 and dp2 under
-ZeRO-3, gloo on the CPU, one thread per rank) twice:
+metadata (``--token-gib``), then starts the job on each layout (dp1·tp2, dp2·pp2, and dp2 and
+dp2·tp2 under ZeRO-3, gloo on the CPU, one thread per rank) twice:
 
 * ``before``: the code paths of the commit before issue 33's fast starts, put back in each rank
   process: ``tensor.shard_param`` is the old ``shard(dense_value(...))`` (each tensor-parallel
   rank reads every dense tensor whole, then cuts its piece) and ``engine.scan_share`` returns
   None (every rank scans every id of every file);
-  Under ZeRO-3 (``dp2z3``) ``zero3.shards_on_meta`` is made to say False, as before
-  ``materialize_shards``: each rank materialises (reads) the whole model, then FSDP2 shards it;
+  Under ZeRO-3 (``dp2z3``, ``dp2tp2z3``) ``zero3.shards_on_meta`` is made to say False, as
+  before ``materialize_shards``: each rank materialises (reads) the whole model, or its whole
+  tensor-parallel pieces, then FSDP2 shards it;
 * ``after``: this tree (a rank reads only its slices, under ZeRO-3 only its FSDP2 shards' rows;
   the ranks split the scan of a file no record vouches for, rank 0 records it).
 
@@ -24,7 +25,7 @@ adds gradients and AdamW's two moments (12 bytes per parameter on top of the 4 o
 about 13 GB over the ranks, more than a small shared machine has; the start is what issue 33
 item 6 is about.  Scan records are removed before every run, so each run scans from nothing.
 
-Run: ``python benchmarks/bench_fast_start.py [--token-gib 1] [--layouts tp2,dp2pp2,dp2z3]``
+Run: ``python benchmarks/bench_fast_start.py [--token-gib 1] [--layouts tp2,dp2pp2,dp2z3,dp2tp2z3]``
 (``python -m benchmarks fast_start``); results in ``benchmarks/results/fast_start-<host>.json``.
 """
 
@@ -70,8 +71,9 @@ LAYOUTS = {
     "tp2": {"data": 1, "pipeline": 1, "tensor": 2},
     "dp2pp2": {"data": 2, "pipeline": 2},
     "dp2z3": {"data": 2, "zeroStage": 3},
+    "dp2tp2z3": {"data": 2, "tensor": 2, "zeroStage": 3},
 }
-"""The layouts issue 33 names, dp1·tp2 and dp2·pp2, and dp2 under ZeRO-3 (FSDP2)."""
+"""The layouts issue 33 names, dp1·tp2 and dp2·pp2, and dp2 and dp2·tp2 under ZeRO-3 (FSDP2)."""
 SMOKE = {
     **SHAPE,
     "vocab_size": 512,

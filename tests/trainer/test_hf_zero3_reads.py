@@ -25,7 +25,7 @@ from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.interop import from_hf, name_map
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import zero3
+from meshtrain.trainer.parallel import tensor, zero3
 from tests.builders import JobBuilder
 
 
@@ -34,10 +34,10 @@ def _build_counting_reads(raw: dict) -> dict:
     parameter's shard rows and gathered value."""
     rows_read: dict[str, int] = {}
     whole: list[str] = []
-    sliced, whole_read = from_hf.HFWeights._slice, from_hf.HFWeights.__call__
+    block, whole_read = from_hf.HFWeights._block, from_hf.HFWeights.__call__
 
-    def counting_slice(self, part, dim, start, stop):
-        tensor = sliced(self, part, dim, start, stop)
+    def counting_block(self, part, rows=None, columns=None):
+        tensor = block(self, part, rows, columns)
         rows_read[part.key] = rows_read.get(part.key, 0) + tensor.numel()
         return tensor
 
@@ -45,31 +45,40 @@ def _build_counting_reads(raw: dict) -> dict:
         whole.append(name)
         return whole_read(self, name, shape)
 
-    from_hf.HFWeights._slice = counting_slice  # type: ignore[method-assign]
+    from_hf.HFWeights._block = counting_block  # type: ignore[method-assign]
     from_hf.HFWeights.__call__ = counting_whole  # type: ignore[method-assign]
     job = loading.parse_spec(raw)
-    eng = engine.Engine(job, mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu")))
+    mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
+    eng = engine.Engine(job, mesh)
+    plan = eng.model.tp_plan
     params = {}
     for name, param in eng.model.named:
         params[name] = {
             "local": zero3.local(param).detach().clone(),
             "shape": tuple(param.shape),
             "whole": param.full_tensor().detach().clone(),
+            "spec": plan.shards.get(name) if plan is not None else None,
         }
-    return {"rows_read": rows_read, "whole": whole, "params": params}
+    coords = {"dp": mesh.coords.dp, "tp": mesh.coords.tp}
+    return {"rows_read": rows_read, "whole": whole, "params": params, "coords": coords}
 
 
 MODELS = {
-    "llama-dp2": (LLAMA, 2),
-    "llama-tied-vocab255-dp2": ({**LLAMA, "tieEmbeddings": True, "vocab": 255}, 2),
-    "gpt2-conv1d-dp3": (TINY, 3),
+    "llama-dp2": (LLAMA, 2, 1),
+    "llama-tied-vocab255-dp2": ({**LLAMA, "tieEmbeddings": True, "vocab": 255}, 2, 1),
+    "gpt2-conv1d-dp3": (TINY, 3, 1),
+    "llama-mqa-vocab257-dp2-tp2": ({**LLAMA, "kvHeads": 1, "vocab": 257}, 2, 2),
 }
+"""Model, data-parallel and tensor-parallel size: FSDP2's padding (vocabularies that do not split
+evenly, a rank left no rows at dp3), GPT-2's transposed tensors, and tensor-parallel pieces
+(a key/value head replicated over tp2, a vocabulary padded to 384 rows over it, so one rank's
+piece is mostly zero rows that are never read) sharded again by FSDP2."""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,world", list(MODELS.values()), ids=list(MODELS))
+@pytest.mark.parametrize("model,data,tensor_size", list(MODELS.values()), ids=list(MODELS))
 def test_each_zero3_rank_reads_only_its_shards_rows_and_they_are_the_saved_tensors(
-    model, world, tmp_path
+    model, data, tensor_size, tmp_path
 ):
     config = _config(model)
     _hf_model(config).save_pretrained(tmp_path)
@@ -77,40 +86,47 @@ def test_each_zero3_rank_reads_only_its_shards_rows_and_they_are_the_saved_tenso
     raw = (
         JobBuilder.cpu_run()
         .model(model, init={"fromHF": str(tmp_path)})
-        .layout(data=world)
+        .layout(data=data, tensor=tensor_size)
         .parallelism(zeroStage=3)
-        .training(globalBatch=world * 2)
+        .training(globalBatch=data * 2)
         .raw()
     )
-    ranks = mt_harness.run_distributed(_build_counting_reads, world, raw)
+    ranks = mt_harness.run_distributed(_build_counting_reads, data * tensor_size, raw)
 
     assert all(not r["whole"] for r in ranks)
     mapped = {p.key for name in ranks[0]["params"] for p in name_map.hf_parts(config, name)}
-    total_read = {key: sum(r["rows_read"].get(key, 0) for r in ranks) for key in mapped}
-    # every tensor the model maps is read once over the ranks together
-    assert mapped and all(total_read[key] == saved[key].numel() for key in mapped), {
-        k: (total_read[k], saved[k].numel()) for k in mapped if total_read[k] != saved[k].numel()
-    }
+    if tensor_size == 1:  # every tensor the model maps is read once over the ranks together
+        total = {key: sum(r["rows_read"].get(key, 0) for r in ranks) for key in mapped}
+        assert mapped and all(total[key] == saved[key].numel() for key in mapped), {
+            k: (total[k], saved[k].numel()) for k in mapped if total[k] != saved[k].numel()
+        }
     uneven = False
-    for rank, result in enumerate(ranks):
+    for result in ranks:
+        dp, tp = result["coords"]["dp"], result["coords"]["tp"]
+        stored = 0  # elements of this rank's shards that come from the directory (not padding)
         for name, param in result["params"].items():
-            rows = param["shape"][0]
-            chunks = torch.chunk(torch.arange(rows), world)
-            expected_rows = len(chunks[rank]) if rank < len(chunks) else 0
-            assert param["local"].shape[0] == expected_rows, (rank, name)
-            uneven |= expected_rows != rows // world
-            whole = torch.cat(
+            dense = torch.cat(
                 [
                     saved[p.key].t() if p.transpose else saved[p.key]
                     for p in name_map.hf_parts(config, name)
                 ],
                 dim=0,
             ).float()
-            assert torch.equal(param["whole"], whole.reshape(param["shape"])), (rank, name)
+            spec = param["spec"]
+            if spec is None:
+                piece, marks = dense.reshape(param["shape"]), torch.ones(param["shape"])
+            else:  # this tensor-parallel rank's piece, as the reference cut makes it
+                piece = tensor.shard(dense, spec, tp, tensor_size)
+                marks = tensor.shard(torch.ones_like(dense), spec, tp, tensor_size)
+            rows = torch.chunk(torch.arange(piece.shape[0]), data)
+            window = rows[dp] if dp < len(rows) else torch.arange(0)
+            uneven |= len(window) != piece.shape[0] // data
+            assert torch.equal(param["local"], piece[window]), (dp, tp, name)
+            assert torch.equal(param["whole"], piece), (dp, tp, name)
+            stored += int(marks[window].sum())
         # a rank reads what its shards hold, and no more
-        held = sum(param["local"].numel() for param in result["params"].values())
-        assert sum(result["rows_read"].values()) == held, rank
-    if model is not LLAMA:  # the cases chosen for FSDP2's padding exercise it
+        assert sum(result["rows_read"].values()) == stored, (dp, tp)
+    if model is not LLAMA and tensor_size == 1:  # the cases chosen for FSDP2's padding exercise it
         assert uneven
 
 
@@ -127,8 +143,20 @@ def _shards_both_ways(raw: dict) -> bool:
     )
 
 
+SEEDED = {
+    "llama-tied-vocab255-dp2": ({**LLAMA, "tieEmbeddings": True, "vocab": 255}, {"data": 2}, {}),
+    "gpt2-dp2-tp2-sequence-parallel": (TINY, {"data": 2, "tensor": 2}, {"sequenceParallel": True}),
+    "llama-mqa-dp2-tp2": ({**LLAMA, "kvHeads": 1}, {"data": 2, "tensor": 2}, {}),
+}
+"""Uneven FSDP2 shards; GPT-2's position table under sequence parallelism; a replicated key/value head."""
+
+
 @pytest.mark.slow
-def test_from_the_seed_the_shards_built_on_meta_equal_those_of_the_whole_model() -> None:
-    tied = {**LLAMA, "tieEmbeddings": True, "vocab": 255}
-    raw = JobBuilder.cpu_run().model(tied).layout(data=2).parallelism(zeroStage=3).raw()
-    assert mt_harness.run_distributed(_shards_both_ways, 2, raw) == [True, True]
+@pytest.mark.parametrize("model,layout,parallelism", list(SEEDED.values()), ids=list(SEEDED))
+def test_from_the_seed_the_shards_built_on_meta_equal_those_of_the_whole_model(
+    model, layout, parallelism
+) -> None:
+    run = JobBuilder.cpu_run().model(model).layout(**layout)
+    raw = run.parallelism(zeroStage=3, **parallelism).training(globalBatch=4).raw()
+    world = layout["data"] * layout.get("tensor", 1)
+    assert mt_harness.run_distributed(_shards_both_ways, world, raw) == [True] * world

@@ -20,6 +20,9 @@ from meshtrain.trainer import storage
 from meshtrain.trainer.interop import config_json, name_map
 from meshtrain.trainer.models import gpt, llama
 
+Range = tuple[int, int]
+"""``[start, stop)`` along one dimension."""
+
 
 class HFWeights:
     """Dense meshtrain parameters read on demand from a Hugging Face directory (``model.initial_weights``)."""
@@ -40,12 +43,19 @@ class HFWeights:
         pieces = [self._read(p.key).t() if p.transpose else self._read(p.key) for p in parts]
         return torch.cat(pieces, dim=0).float().contiguous().reshape(shape)
 
-    def _slice(self, part: name_map.Part, dim: int, start: int, stop: int) -> torch.Tensor:
-        """Rows (``dim`` 0) or columns (1) ``[start, stop)`` of a part as meshtrain holds it; only they are read."""
-        hf_dim = 1 - dim if part.transpose else dim  # Conv1D stores (in, out)
+    def _block(
+        self, part: name_map.Part, rows: Range | None = None, columns: Range | None = None
+    ) -> torch.Tensor:
+        """Rows and columns ``[start, stop)`` (None: all) of a part as meshtrain holds it; only they are read."""
         with safe_open(self.files[part.key], framework="pt") as handle:
             sliced = handle.get_slice(part.key)
-            tensor: torch.Tensor = sliced[start:stop] if hf_dim == 0 else sliced[:, start:stop]
+            first, second = (
+                (columns, rows) if part.transpose else (rows, columns)
+            )  # Conv1D: (in, out)
+            if second is None:
+                tensor: torch.Tensor = sliced[_cut(first)]
+            else:
+                tensor = sliced[_cut(first), _cut(second)]
         return tensor.t() if part.transpose else tensor
 
     def _extent(self, part: name_map.Part) -> int:
@@ -54,33 +64,52 @@ class HFWeights:
             hf_shape = handle.get_slice(part.key).get_shape()
         return int(hf_shape[-1] if part.transpose else hf_shape[0])
 
+    def _rows(
+        self, parts: list[name_map.Part], start: int, stop: int
+    ) -> Iterator[tuple[name_map.Part, Range]]:
+        """Each part that rows ``[start, stop)`` of the parts concatenated along dim 0 overlap, with its own rows of them."""
+        offset = 0
+        for part in parts:
+            extent = self._extent(part)
+            low, high = max(start, offset), min(stop, offset + extent)
+            if low < high:
+                yield part, (low - offset, high - offset)
+            offset += extent
+
     def piece(
-        self, name: str, shape: torch.Size | tuple[int, ...], dim: int, ranges: gpt.Ranges
+        self,
+        name: str,
+        shape: torch.Size | tuple[int, ...],
+        dim: int,
+        ranges: gpt.Ranges,
+        rows: Range | None = None,
     ) -> torch.Tensor:
         """``ranges`` along ``dim`` of parameter ``name`` (:meth:`__call__`'s tensor), reading only them.
 
         A fused parameter is its parts concatenated along dim 0: a range of
         rows is cut from the parts it overlaps, a range of columns from every
-        part.  Equal, element for element, to the ranges of :meth:`__call__`.
+        part.  ``rows`` keeps only those rows of a column cut (``dim`` 1: a
+        data-parallel shard of a tensor-parallel piece).  Equal, element for
+        element, to the same cut of :meth:`__call__`.
         """
         parts = name_map.hf_parts(self.config, name)
         blocks: list[torch.Tensor] = []
         for start, stop in ranges:
             if dim == 1:
-                blocks.append(torch.cat([self._slice(p, 1, start, stop) for p in parts], dim=0))
+                window = rows if rows is not None else (0, shape[0])
+                cut = [self._block(p, r, (start, stop)) for p, r in self._rows(parts, *window)]
+                blocks.append(torch.cat(cut, dim=0) if cut else torch.empty(0, stop - start))
                 continue
-            offset = 0
-            for part in parts:
-                extent = self._extent(part)
-                low, high = max(start, offset), min(stop, offset + extent)
-                if low < high:
-                    blocks.append(self._slice(part, 0, low - offset, high - offset))
-                offset += extent
+            blocks += [self._block(p, r) for p, r in self._rows(parts, start, stop)]
         if not blocks:
             empty = list(shape)
             empty[dim] = 0
             return torch.empty(empty)
         return torch.cat(blocks, dim=dim).float().contiguous()
+
+
+def _cut(extent: Range | None) -> slice:
+    return slice(None) if extent is None else slice(*extent)
 
 
 def _hf_shapes(

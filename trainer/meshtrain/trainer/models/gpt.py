@@ -295,9 +295,15 @@ class InitialWeights(Protocol):
         ...
 
     def piece(
-        self, name: str, shape: torch.Size | tuple[int, ...], dim: int, ranges: Ranges
+        self,
+        name: str,
+        shape: torch.Size | tuple[int, ...],
+        dim: int,
+        ranges: Ranges,
+        rows: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """The ``ranges`` along ``dim`` of the dense value, concatenated along ``dim``; reads only those."""
+        """The ``ranges`` along ``dim`` of the dense value, concatenated along ``dim`` (of a column
+        cut only ``rows``, when given); reads only those."""
         ...
 
 
@@ -475,18 +481,28 @@ def dense_value(model: GPT, name: str, param: torch.Tensor) -> torch.Tensor:
 
 
 def dense_piece(
-    model: GPT, name: str, param: torch.Tensor, dim: int, ranges: Ranges
+    model: GPT,
+    name: str,
+    param: torch.Tensor,
+    dim: int,
+    ranges: Ranges,
+    rows: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """The ``ranges`` along ``dim`` of parameter ``name``'s dense tensor, concatenated (a new tensor).
+    """The ``ranges`` along ``dim`` of parameter ``name``'s dense tensor, concatenated (a new tensor);
+    of a column cut (``dim`` 1) only ``rows`` ``[start, stop)`` when given.
 
     From a Hugging Face directory only those ranges are read (a tensor-parallel
-    rank's rows or columns); otherwise they are cut from :func:`dense_value`.
+    rank's rows or columns, a data-parallel shard's rows of them); otherwise they
+    are cut from :func:`dense_value`.
     """
+    assert rows is None or dim == 1, "rows narrow a column cut"
     if param.is_meta and model.initial_weights is not None:
         return model.initial_weights.piece(
-            logical_name(model.config, name), param.shape, dim, ranges
+            logical_name(model.config, name), param.shape, dim, ranges, rows
         )
     full = dense_value(model, name, param)
+    if rows is not None:
+        full = full[rows[0] : rows[1]]
     return torch.cat([full.narrow(dim, start, stop - start) for start, stop in ranges], dim=dim)
 
 

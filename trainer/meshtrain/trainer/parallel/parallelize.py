@@ -152,6 +152,16 @@ def parallelize(
         model, stage=coords.pp, stages=layout.pipeline, virtual_stages=virtual_stages
     )
 
+    # Under ZeRO-3 a model still wholly on meta stays there through tensor parallelism: FSDP2
+    # shards the shapes and each rank then builds only its rows (zero3.materialize_shards), never
+    # the whole stage nor its whole tensor-parallel pieces.
+    sharded_on_meta = (
+        zero_stage == 3
+        and mesh.grad_group[1] > 1
+        and float8_spec is None
+        and zero3.shards_on_meta(chunks)
+    )
+
     # 2. Tensor parallel: shard what this stage kept.  It swaps parameters, so it comes before
     # anything that holds on to them; then a model built on meta gets the weights TP did not
     # already build (norms, biases, ...).
@@ -163,14 +173,7 @@ def parallelize(
         clock=clock,
         wire_dtype=wire_dtype,
         overlap=overlap_tensor,
-    )
-    # Under ZeRO-3 a model still wholly on meta stays there: FSDP2 shards the shapes and each rank
-    # then builds only its rows (zero3.materialize_shards), never the whole stage.
-    sharded_on_meta = (
-        zero_stage == 3
-        and mesh.grad_group[1] > 1
-        and float8_spec is None
-        and zero3.shards_on_meta(chunks)
+        on_meta=sharded_on_meta,
     )
     for chunk in chunks if not sharded_on_meta else ():
         gpt.materialize(chunk)
@@ -215,7 +218,7 @@ def parallelize(
         wire_dtype=wire_dtype,
     )
     if sharded_on_meta:
-        zero3.materialize_shards(chunks, mesh.device)
+        zero3.materialize_shards(chunks, mesh.device, tp_plan, mesh.coords.tp, mesh.layout.tensor)
     # the parameters every later step holds (ZeRO-3's DTensors): a tied head on the last stage is
     # the embedding matrix, by name too (initial value, checkpoint)
     named = [
@@ -261,8 +264,10 @@ def apply_tensor_parallel(
     clock: clocks.Clock,
     wire_dtype: torch.dtype | None,
     overlap: bool = False,
+    on_meta: bool = False,
 ) -> tuple[tensor.TPContext | None, tensor.TPPlan | None, dist.ProcessGroup | None]:
-    """Swap every chunk's linears and embeddings for tensor-parallel ones.
+    """Swap every chunk's linears and embeddings for tensor-parallel ones (``on_meta``: pieces
+    left on ``meta``, see :func:`.tensor.apply_tensor_parallel`).
 
     Returns the context, the plan and the group of ranks sharing this rank's
     key/value heads (None unless they are replicated); all None without TP.
@@ -279,7 +284,7 @@ def apply_tensor_parallel(
         wire_dtype=wire_dtype,
         overlap=overlap,
     )
-    plans = [tensor.apply_tensor_parallel(chunk, tp_ctx) for chunk in chunks]
+    plans = [tensor.apply_tensor_parallel(chunk, tp_ctx, on_meta=on_meta) for chunk in chunks]
     tp_plan = tensor.TPPlan(
         shards={k: v for p in plans for k, v in p.shards.items()},
         sequence_partial=[n for p in plans for n in p.sequence_partial],

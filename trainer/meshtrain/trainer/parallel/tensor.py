@@ -119,21 +119,58 @@ def shard_ranges(spec: ShardSpec, dense: int, rank: int, size: int) -> list[tupl
 
 
 def shard_param(
-    model: gpt.GPT, name: str, param: torch.Tensor, spec: ShardSpec, rank: int, size: int
+    model: gpt.GPT,
+    name: str,
+    param: torch.Tensor,
+    spec: ShardSpec,
+    rank: int,
+    size: int,
+    rows: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """:func:`shard` of parameter ``name``'s dense value, reading only this rank's ranges
     (:func:`meshtrain.trainer.models.gpt.dense_piece`): a Hugging Face import reads a rank's rows or
-    columns, not the whole tensor.  Equal, element for element, to ``shard(dense_value(...))``."""
+    columns, not the whole tensor.  Equal, element for element, to ``shard(dense_value(...))``;
+    with ``rows`` ``[start, stop)``, to those rows of it (a ZeRO-3 shard of the piece)."""
     dense = param.shape[spec.dim]
     padded = layout.padded_vocab(spec.extent, size) if spec.extent else dense
     ranges = shard_ranges(spec, padded, rank, size)
+    column_rows = rows if spec.dim == 1 else None
+    if rows is not None and spec.dim == 0:
+        ranges = _window(ranges, *rows)
     inside = [(min(start, dense), min(stop, dense)) for start, stop in ranges]
-    piece = gpt.dense_piece(model, name, param, spec.dim, inside)
+    piece = gpt.dense_piece(model, name, param, spec.dim, inside, column_rows)
     missing = sum(stop - start for start, stop in ranges) - piece.shape[spec.dim]
     if missing:  # the last ranks' rows past the vocabulary: zeros, as shard pads them
         padding = [0, 0] * (piece.dim() - 1 - spec.dim) + [0, missing]
         piece = F.pad(piece, padding)
     return piece
+
+
+def piece_shape(param: torch.Tensor, spec: ShardSpec, rank: int, size: int) -> list[int]:
+    """The shape of ``rank``'s piece of ``param`` (:func:`shard_param`'s, padding included)."""
+    dense = param.shape[spec.dim]
+    padded = layout.padded_vocab(spec.extent, size) if spec.extent else dense
+    shape = list(param.shape)
+    shape[spec.dim] = sum(stop - start for start, stop in shard_ranges(spec, padded, rank, size))
+    return shape
+
+
+def dense_shape(piece: torch.Tensor, spec: ShardSpec, size: int) -> list[int]:
+    """The shape of the dense parameter whose piece over ``size`` ranks is ``piece``."""
+    shape = list(piece.shape)
+    shape[spec.dim] = spec.dense_extent(piece.shape[spec.dim], size)
+    return shape
+
+
+def _window(ranges: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
+    """The parts of ``ranges`` that rows ``[start, stop)`` of their concatenation cover, in order."""
+    out, offset = [], 0
+    for low, high in ranges:
+        a, b = max(low, low + start - offset), min(high, low + stop - offset)
+        if a < b:
+            out.append((a, b))
+        offset += high - low
+    return out
 
 
 def unshard(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
@@ -369,13 +406,15 @@ class TPPlan:
         return name in self.shards or tp_rank == 0
 
 
-def apply_tensor_parallel(model: gpt.GPT, ctx: TPContext) -> TPPlan:
+def apply_tensor_parallel(model: gpt.GPT, ctx: TPContext, *, on_meta: bool = False) -> TPPlan:
     """Swap ``model``'s dense modules for sharded ones, in place.
 
     Attention heads and the MLP are split column-then-row, so each block
     needs one reduction forward and one backward per sub-layer; embedding and
     LM head are split over the vocabulary.  Parts a pipeline stage dropped
-    (``None``) are skipped.  Norms stay replicated.
+    (``None``) are skipped.  Norms stay replicated.  ``on_meta``: a model on
+    ``meta`` keeps its pieces there, shapes only (ZeRO-3 then reads each
+    shard's rows of them: ``zero3.materialize_shards``).
     """
     shards: dict[str, ShardSpec] = {}
     vocab_rows = model.config.vocab
@@ -385,8 +424,11 @@ def apply_tensor_parallel(model: gpt.GPT, ctx: TPContext) -> TPPlan:
     def swap(
         owner: nn.Module, attr: str, prefix: str, cls: type[nn.Module], spec: ShardSpec
     ) -> None:
-        name = f"{prefix}{attr}.weight"
-        piece = shard_param(model, name, getattr(owner, attr).weight, spec, ctx.rank, ctx.size)
+        name, dense = f"{prefix}{attr}.weight", getattr(owner, attr).weight
+        if on_meta:
+            piece = torch.empty(piece_shape(dense, spec, ctx.rank, ctx.size), device="meta")
+        else:
+            piece = shard_param(model, name, dense, spec, ctx.rank, ctx.size)
         setattr(owner, attr, cls(piece, ctx))
         shards[gpt.logical_name(model.config, f"{prefix}{attr}.weight")] = spec
 
@@ -414,9 +456,10 @@ def apply_tensor_parallel(model: gpt.GPT, ctx: TPContext) -> TPPlan:
     if model.tok_emb is not None:
         swap(model, "tok_emb", "", VocabParallelEmbedding, vocab)
         if model.pos_emb is not None and ctx.sequence_parallel:
-            model.pos_emb = SequenceParallelPositionEmbedding(
-                gpt.dense_value(model, "pos_emb.weight", model.pos_emb.weight).clone(), ctx
-            )
+            table = model.pos_emb.weight
+            assert isinstance(table, torch.Tensor)
+            table = table if on_meta else gpt.dense_value(model, "pos_emb.weight", table)
+            model.pos_emb = SequenceParallelPositionEmbedding(table.detach().clone(), ctx)
     if (
         model.head is not None and model.config.tie_embeddings and model.tok_emb is not None
     ):  # one stage: the embedding's own shard

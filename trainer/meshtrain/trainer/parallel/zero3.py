@@ -20,6 +20,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.tensor import DTensor
 
 from meshtrain.trainer.models import gpt
+from meshtrain.trainer.parallel import tensor
 from meshtrain.trainer.telemetry import clocks, recording
 
 
@@ -152,29 +153,43 @@ def flat_offset(param: torch.Tensor) -> int:
 
 
 def shards_on_meta(chunks: list[torch.nn.Module]) -> bool:
-    """Whether every parameter of ``chunks`` is still on ``meta``, so that FSDP2 can shard the shapes
-    and each rank then builds only its own rows (:func:`materialize_shards`).  Not so under tensor
-    parallelism, whose swap builds (and reads) each rank's pieces first."""
+    """Whether every parameter of ``chunks`` is still on ``meta``, so that tensor parallelism and
+    FSDP2 can split the shapes and each rank then builds only its own rows
+    (:func:`materialize_shards`)."""
     return all(p.is_meta for chunk in chunks for p in chunk.parameters())
 
 
-def materialize_shards(chunks: list[gpt.GPT], device: torch.device) -> None:
+def materialize_shards(
+    chunks: list[gpt.GPT],
+    device: torch.device,
+    tp_plan: tensor.TPPlan | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> None:
     """Give each rank's dim-0 shard of every parameter sharded on ``meta`` its initial value, alone.
 
-    After :func:`apply_zero3` on a model still on ``meta``: FSDP2 allocates the shards on
-    ``device`` (``to_empty``) and each is filled with its rows of the dense tensor
-    (:func:`meshtrain.trainer.models.gpt.dense_piece`), so a start from a Hugging Face directory
-    reads each tensor's rows once over the data-parallel (data x context) ranks and no rank builds
-    an unsharded parameter;
-    from the seed each tensor is made whole on the CPU, one at a time, and cut.  Equal, element for
-    element, to sharding the materialised model.
+    After :func:`apply_zero3` on a model still on ``meta`` (and, with ``tp_plan``, tensor
+    parallelism's pieces left there): FSDP2 allocates the shards on ``device`` (``to_empty``)
+    and each is filled with its rows of the dense tensor, or of this tensor-parallel rank's piece
+    of it (:func:`.tensor.shard_param`), so a start from a Hugging Face directory reads each
+    tensor's elements once over the data-parallel (data x context) ranks of each tensor-parallel
+    rank, and no rank builds an unsharded parameter; from the seed each tensor is made whole on
+    the CPU, one at a time, and cut.  Equal, element for element, to sharding the materialised
+    model.
     """
+    split = tp_plan.shards if tp_plan is not None else {}
     for chunk in chunks:
         shapes = {name: param.shape for name, param in chunk.named_parameters()}
         chunk.to_empty(device=device)
         with torch.no_grad():
             for name, param in chunk.named_parameters():
-                start, stop = shard_rows(param)
-                dense = torch.empty(shapes[name], device="meta")
-                rows = gpt.dense_piece(chunk, name, dense, 0, [(start, stop)])
-                local(param).copy_(rows)
+                rows = shard_rows(param)
+                spec = split.get(gpt.logical_name(chunk.config, name))
+                if spec is None:
+                    dense = torch.empty(shapes[name], device="meta")
+                    value = gpt.dense_piece(chunk, name, dense, 0, [rows])
+                else:
+                    piece = torch.empty(shapes[name], device="meta")
+                    dense = torch.empty(tensor.dense_shape(piece, spec, tp_size), device="meta")
+                    value = tensor.shard_param(chunk, name, dense, spec, tp_rank, tp_size, rows)
+                local(param).copy_(value)
