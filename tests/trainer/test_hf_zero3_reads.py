@@ -15,6 +15,8 @@ Tier: ``make test`` (trainer, slow).
 
 from __future__ import annotations
 
+import dataclasses
+
 import mt_harness
 import pytest
 import torch
@@ -24,9 +26,9 @@ from test_hf_interop import LLAMA, TINY, _config, _hf_model
 from meshtrain.api import loading
 from meshtrain.trainer import engine
 from meshtrain.trainer.interop import from_hf, name_map
+from meshtrain.trainer.parallel import float8, tensor, zero3
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.parallel import tensor, zero3
-from tests.builders import JobBuilder
+from tests.builders import LLAMA_TINY, JobBuilder
 
 
 def _build_counting_reads(raw: dict) -> dict:
@@ -160,3 +162,20 @@ def test_from_the_seed_the_shards_built_on_meta_equal_those_of_the_whole_model(
     raw = run.parallelism(zeroStage=3, **parallelism).training(globalBatch=4).raw()
     world = layout["data"] * layout.get("tensor", 1)
     assert mt_harness.run_distributed(_shards_both_ways, world, raw) == [True] * world
+
+
+def _shards_both_ways_in_emulated_fp8(raw: dict) -> bool:
+    """:func:`_shards_both_ways` with ``training.float8`` let through on this CPU rank (torchao
+    emulating, as test_float8_layouts.py does): torchao's swap runs on ``meta`` too."""
+    float8.device_problem = lambda device: None
+    config_for = float8.config_for
+    float8.config_for = lambda spec: dataclasses.replace(config_for(spec), emulate=True)
+    return _shards_both_ways(raw)
+
+
+@pytest.mark.slow
+def test_with_float8_linears_the_shards_built_on_meta_equal_those_of_the_whole_model() -> None:
+    pytest.importorskip("torchao.float8")
+    run = JobBuilder.cpu_run().model(LLAMA_TINY).layout(data=2)
+    raw = run.training(precision="bf16", float8={}).parallelism(zeroStage=3).raw()
+    assert mt_harness.run_distributed(_shards_both_ways_in_emulated_fp8, 2, raw) == [True, True]

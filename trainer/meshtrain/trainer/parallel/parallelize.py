@@ -158,7 +158,6 @@ def parallelize(
     sharded_on_meta = (
         zero_stage == 3
         and mesh.grad_group[1] > 1
-        and float8_spec is None
         and zero3.shards_on_meta(chunks)
     )
 
@@ -178,7 +177,8 @@ def parallelize(
     for chunk in chunks if not sharded_on_meta else ():
         gpt.materialize(chunk)
         chunk.to(mesh.device)
-    # 2b. fp8: the blocks' linears become torchao's float8 linears, on their device.  After TP
+    # 2b. fp8: the blocks' linears become torchao's float8 linears, on their device (or on meta,
+    # shapes only, for ZeRO-3 to materialise after sharding).  After TP
     # (the spec's rules keep fp8 to tensor 1: torchao swaps torch.nn.Linear, which TP's layers are
     # not), before data parallelism, which hooks (or FSDP2 shards) the Parameters the swap keeps.
     if float8_spec is not None:
