@@ -155,11 +155,7 @@ def parallelize(
     # Under ZeRO-3 a model still wholly on meta stays there through tensor parallelism: FSDP2
     # shards the shapes and each rank then builds only its rows (zero3.materialize_shards), never
     # the whole stage nor its whole tensor-parallel pieces.
-    sharded_on_meta = (
-        zero_stage == 3
-        and mesh.grad_group[1] > 1
-        and zero3.shards_on_meta(chunks)
-    )
+    sharded_on_meta = zero_stage == 3 and mesh.grad_group[1] > 1 and zero3.shards_on_meta(chunks)
 
     # 2. Tensor parallel: shard what this stage kept.  It swaps parameters, so it comes before
     # anything that holds on to them; then a model built on meta gets the weights TP did not
