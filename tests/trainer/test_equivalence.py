@@ -163,6 +163,10 @@ CASES_8["llama-mqa-tied-dp2-pp2-tp2-zero1"] = (
     .layout(data=2, pipeline=2, tensor=2)
     .parallelism(microBatches=2, zeroStage=1)
 )
+# ... and under sequence parallelism: the last stage's head is the embedding by name
+CASES_8["llama-mqa-tied-dp2-pp2-tp2-sp-zero1"] = (
+    CASES_8["llama-mqa-tied-dp2-pp2-tp2-zero1"].clone().parallelism(sequenceParallel=True)
+)
 CASES_8["llama-dp2-pp2-tp2-interleaved-sp"] = (
     CASES_8["dp2-pp2-tp2-interleaved-sp"].clone().model(LLAMA_TINY)
 )

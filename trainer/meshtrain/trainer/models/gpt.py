@@ -496,6 +496,10 @@ def dense_piece(
     are cut from :func:`dense_value`.
     """
     assert rows is None or dim == 1, "rows narrow a column cut"
+    if not ranges:  # a data-parallel shard left no rows of a piece
+        empty = list(param.shape)
+        empty[dim] = 0
+        return torch.empty(empty)
     if param.is_meta and model.initial_weights is not None:
         return model.initial_weights.piece(
             logical_name(model.config, name), param.shape, dim, ranges, rows

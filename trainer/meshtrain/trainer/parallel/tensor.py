@@ -470,9 +470,8 @@ def apply_tensor_parallel(model: gpt.GPT, ctx: TPContext, *, on_meta: bool = Fal
         model.head = head
     elif model.head is not None:  # (tied across pipeline stages: the last stage's copy, same shard)
         swap(model, "head", "", ColumnParallelLinear, vocab)
-    partial = (
-        [n for n, p in model.named_parameters() if n not in shards] if ctx.sequence_parallel else []
-    )
+    names = (gpt.logical_name(model.config, n) for n, _ in model.named_parameters())
+    partial = [n for n in names if n not in shards] if ctx.sequence_parallel else []
     return TPPlan(
         shards=shards,
         sequence_partial=partial,
