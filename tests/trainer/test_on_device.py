@@ -10,6 +10,8 @@ check, each against a reference that does not share the code under test:
 * the engine training on the device in fp32 against the same job on the
   CPU, and in bf16 compiled against bf16 eager on the device, and bf16 against
   fp32 to bf16's precision;
+* ``training.documentMask``'s attention on the device's pinned kernels against each
+  document run alone with plain causal attention;
 * the peak memory of a step on the device (``torch.cuda.max_memory_allocated``
   on a GPU, :class:`~meshtrain.trainer.telemetry.live_bytes.LiveBytes` on the CPU)
   against the planner's figure.
@@ -25,12 +27,15 @@ import os
 import mt_harness
 import pytest
 import test_chunked_loss
+import test_document_mask
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from meshtrain.api import loading
+from meshtrain.api.spec import model as api_model
 from meshtrain.planner import memory, profiles
 from meshtrain.trainer import engine
+from meshtrain.trainer.models import documents, gpt, llama
 from meshtrain.trainer.parallel import compilation, loss, state_bytes
 from meshtrain.trainer.parallel import mesh as mesh_mod
 from meshtrain.trainer.telemetry import live_bytes
@@ -183,3 +188,34 @@ def test_the_planner_predicts_the_peak_memory_on_the_device(device_kind, precisi
     assert planned == pytest.approx(measured, rel=0.05 if device_kind == "cpu" else 0.10), (
         f"{device_kind} {precision}: planner {planned:.0f} B, measured peak {measured} B"
     )
+
+
+MASKED_SHAPE = {**SHAPE, "family": "llama", "kvHeads": 2}
+"""Grouped-query attention: on a GPU the masked path repeats k and v for the pinned kernels."""
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_masked_attention_on_the_device_equals_each_document_run_alone(device_kind, precision):
+    """``training.documentMask``'s attention on the device's pinned kernels (``gpt.MASKED_KERNELS``:
+    memory-efficient or cuDNN on a GPU) against the same model running each document alone with
+    plain causal attention (test_document_mask.py's reference), forward and backward."""
+    torch.manual_seed(0)
+    device = torch.device("cuda" if device_kind == "cuda" else "cpu")
+    config = gpt.GPTConfig.from_shape(api_model.ModelSpec.model_validate(MASKED_SHAPE).shape())
+    model = llama.build(config, seed=3).to(device)
+    tokens = torch.randint(1, config.vocab, (2, config.seq_len), device=device)
+    ends = torch.rand(tokens.shape, device=device) < 0.05  # documents of about 20 tokens
+    tokens = tokens.masked_fill(ends, test_document_mask.EOS)
+    assert all(len(test_document_mask.split_documents(r)) > 2 for r in tokens.tolist())
+    half = precision == "bf16"
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=half):
+        dtype = torch.bfloat16 if half else torch.float32
+        packed = model(tokens, documents=documents.of_tokens(tokens, test_document_mask.EOS, dtype))
+        alone = test_document_mask.per_document_logits(model, tokens)
+    tolerance = {"rtol": 2e-2, "atol": 2e-2} if half else {"rtol": 1e-4, "atol": 1e-4}
+    torch.testing.assert_close(packed.float(), alone.float(), **tolerance)
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=half):
+        unmasked = model(tokens).float()
+    assert not torch.allclose(unmasked, alone.float(), **tolerance)  # the mask changes something
+    packed.float().square().mean().backward()  # the pinned kernels' backward runs too
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
