@@ -68,13 +68,13 @@ class HFWeights:
         self, parts: list[name_map.Part], start: int, stop: int
     ) -> Iterator[tuple[name_map.Part, Range]]:
         """Each part that rows ``[start, stop)`` of the parts concatenated along dim 0 overlap, with its own rows of them."""
-        offset = 0
+        spans, offset = [], 0
         for part in parts:
             extent = self._extent(part)
-            low, high = max(start, offset), min(stop, offset + extent)
-            if low < high:
-                yield part, (low - offset, high - offset)
+            spans.append((offset, offset + extent))
             offset += extent
+        for index, (low, high) in gpt.window(spans, start, stop):
+            yield parts[index], (low - spans[index][0], high - spans[index][0])
 
     def piece(
         self,

@@ -287,6 +287,18 @@ Ranges = Sequence[tuple[int, int]]
 """``[start, stop)`` ranges along one dimension of a dense tensor."""
 
 
+def window(ranges: Ranges, start: int, stop: int) -> list[tuple[int, tuple[int, int]]]:
+    """Where rows ``[start, stop)`` of the ranges laid end to end fall: each overlapped range's
+    index and the sub-range of it they cover (in the ranges' own coordinates), in order."""
+    out, offset = [], 0
+    for index, (low, high) in enumerate(ranges):
+        a, b = max(low, low + start - offset), min(high, low + stop - offset)
+        if a < b:
+            out.append((index, (a, b)))
+        offset += high - low
+    return out
+
+
 class InitialWeights(Protocol):
     """A source of the dense initial values of parameters (a Hugging Face directory), by name and shape."""
 

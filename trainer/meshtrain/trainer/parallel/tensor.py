@@ -132,11 +132,10 @@ def shard_param(
     columns, not the whole tensor.  Equal, element for element, to ``shard(dense_value(...))``;
     with ``rows`` ``[start, stop)``, to those rows of it (a ZeRO-3 shard of the piece)."""
     dense = param.shape[spec.dim]
-    padded = layout.padded_vocab(spec.extent, size) if spec.extent else dense
-    ranges = shard_ranges(spec, padded, rank, size)
+    ranges = _piece_ranges(param, spec, rank, size)
     column_rows = rows if spec.dim == 1 else None
     if rows is not None and spec.dim == 0:
-        ranges = _window(ranges, *rows)
+        ranges = [covered for _, covered in gpt.window(ranges, *rows)]
     inside = [(min(start, dense), min(stop, dense)) for start, stop in ranges]
     piece = gpt.dense_piece(model, name, param, spec.dim, inside, column_rows)
     missing = sum(stop - start for start, stop in ranges) - piece.shape[spec.dim]
@@ -146,12 +145,19 @@ def shard_param(
     return piece
 
 
-def piece_shape(param: torch.Tensor, spec: ShardSpec, rank: int, size: int) -> list[int]:
-    """The shape of ``rank``'s piece of ``param`` (:func:`shard_param`'s, padding included)."""
+def _piece_ranges(
+    param: torch.Tensor, spec: ShardSpec, rank: int, size: int
+) -> list[tuple[int, int]]:
+    """:func:`shard_ranges` of ``param``'s dense extent, padded under ``spec.extent``."""
     dense = param.shape[spec.dim]
     padded = layout.padded_vocab(spec.extent, size) if spec.extent else dense
+    return shard_ranges(spec, padded, rank, size)
+
+
+def piece_shape(param: torch.Tensor, spec: ShardSpec, rank: int, size: int) -> list[int]:
+    """The shape of ``rank``'s piece of ``param`` (:func:`shard_param`'s, padding included)."""
     shape = list(param.shape)
-    shape[spec.dim] = sum(stop - start for start, stop in shard_ranges(spec, padded, rank, size))
+    shape[spec.dim] = sum(stop - start for start, stop in _piece_ranges(param, spec, rank, size))
     return shape
 
 
@@ -160,17 +166,6 @@ def dense_shape(piece: torch.Tensor, spec: ShardSpec, size: int) -> list[int]:
     shape = list(piece.shape)
     shape[spec.dim] = spec.dense_extent(piece.shape[spec.dim], size)
     return shape
-
-
-def _window(ranges: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
-    """The parts of ``ranges`` that rows ``[start, stop)`` of their concatenation cover, in order."""
-    out, offset = [], 0
-    for low, high in ranges:
-        a, b = max(low, low + start - offset), min(high, low + stop - offset)
-        if a < b:
-            out.append((a, b))
-        offset += high - low
-    return out
 
 
 def unshard(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
@@ -430,7 +425,7 @@ def apply_tensor_parallel(model: gpt.GPT, ctx: TPContext, *, on_meta: bool = Fal
         else:
             piece = shard_param(model, name, dense, spec, ctx.rank, ctx.size)
         setattr(owner, attr, cls(piece, ctx))
-        shards[gpt.logical_name(model.config, f"{prefix}{attr}.weight")] = spec
+        shards[gpt.logical_name(model.config, name)] = spec
 
     replicas = kv_replicas(model.config.key_value_heads, ctx.size)
     replica_partial: dict[str, tuple[int, int]] = {}
