@@ -307,6 +307,24 @@ def test_sigterm_stops_every_rank_after_a_checkpoint(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_sigterm_with_no_time_to_save_is_a_stop_never_a_gang_rebuild(tmp_path: Path) -> None:
+    """A kubelet that refuses a running pod after its restart, or a deletion with a short grace,
+    kills the workers before they save: the pod still exits 143, so the operator waits for the
+    kubelet's own reason and never reads the trainer "giving up in place" (75)."""
+    spec = _spec(tmp_path, 500, intervalSteps=1000)
+    [proc] = _supervisors(spec, tmp_path, 1, 4, "--shutdown-timeout", "0")
+    log = tmp_path / "logs" / steplog.FILENAME
+    deadline = time.monotonic() + 300
+    while not (log.exists() and steplog.read(log)):
+        assert proc.poll() is None and time.monotonic() < deadline, _logs(tmp_path)
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert _wait([proc], tmp_path) == [exitcodes.STOPPED], _logs(tmp_path)
+    assert "workers ended without saving: " + ", ".join(["SIGKILL"] * 4) in _logs(tmp_path)
+    assert not store.scan(tmp_path / "checkpoints"), "no worker had time to save"
+
+
+@pytest.mark.slow
 def test_losing_pod_0_and_its_store_sends_every_pod_to_a_gang_rebuild(tmp_path: Path) -> None:
     raw = JobBuilder.cpu_run().layout(data=2).training(steps=500).raw()
     spec = tmp_path / "job.yaml"

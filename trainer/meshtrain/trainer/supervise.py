@@ -7,7 +7,8 @@ local rank (torchrun's environment) and ``runPolicy.recovery.warmSpares`` warm s
 retryable code is replaced by a spare and the gang rebuilds its process groups in place
 (:mod:`.recovery.rendezvous`, :mod:`.recovery.generations`); healthy workers keep their processes.
 Exit codes (docs/recovery.md): 0 when every worker finished (also when the store goes away
-after rank 0 finished); a permanent worker code and ``STOPPED`` pass through; ``GANG_RESTART``
+after rank 0 finished); a permanent worker code and ``STOPPED`` pass through, and SIGTERM
+always ends in ``STOPPED`` or a permanent code (a pod stopped from outside); ``GANG_RESTART``
 (75) when in-place recovery is off, exhausted or impossible (rejoin timeout, store gone);
 ``SUPERSEDED`` (76) when a newer incarnation of this pod took over (a pod declared lost whose
 containers still ran: it is fenced off and leaves without touching the gang).
@@ -334,15 +335,25 @@ class Supervisor:
         return rendezvous.SUPERSEDED
 
     def stop(self) -> int:
-        """SIGTERM: the workers stop after a checkpoint of the same step; STOPPED unless one exited otherwise."""
+        """SIGTERM: the workers stop after a checkpoint of the same step.
+
+        0 when every worker had finished, a permanent code one of them exited with, else
+        ``STOPPED``, also when a worker died before it could save (SIGTERM during its start, or
+        SIGKILL after the grace): the pod was stopped from outside (deleted, evicted, refused by
+        a restarted kubelet), which is never the trainer giving up in place (``GANG_RESTART``),
+        and the kubelet names why in the pod's status.
+        """
         _say(self.pod, "SIGTERM: asking the workers to save and stop")
         codes = self.stop_workers(self.args.shutdown_timeout)
-        final = [c for c in codes if classify(c) == "final" and c != exitcodes.STOPPED]
-        if final:
-            return final[0]
+        permanent = [c for c in codes if c in exitcodes.PERMANENT]
+        if permanent:
+            return permanent[0]
         if all(c == 0 for c in codes):
             return 0
-        return exitcodes.STOPPED if exitcodes.STOPPED in codes else exitcodes.GANG_RESTART
+        unsaved = [cause(c) for c in codes if c not in (0, exitcodes.STOPPED)]
+        if unsaved:
+            _say(self.pod, f"workers ended without saving: {', '.join(unsaved)}")
+        return exitcodes.STOPPED
 
     def linger(self) -> None:
         """Pod 0: keep the store up until every supervisor left, or no other pod's heartbeat
