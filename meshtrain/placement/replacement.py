@@ -70,7 +70,10 @@ def replace(
                     request, index, slots, stage_depth, request.constrained(levels), stage=True
                 )
         pool = [n for n in inside if n in spares] or inside
-        best = min(pool, key=lambda n: (_cost(index, n, where, edges, path, weights), n))
+        # At equal cost the pod's own node (offered when a deletion, not the node, lost it) wins:
+        # the plan chose it, and the replacement lands where its volumes and image already are.
+        own = placed[index] if index < len(placed) else None
+        best = min(pool, key=lambda n: (_cost(index, n, where, edges, path, weights), n != own, n))
         where[index] = chosen[index] = best
         slots[best] -= 1
         if slots[best] == 0:

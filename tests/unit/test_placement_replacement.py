@@ -74,6 +74,26 @@ def test_a_required_leaf_keeps_the_replacement_in_the_survivors_leaf_or_refuses(
     assert isinstance(taken, replacement.Replacement) and taken.nodes == {2: "l1-1"}
 
 
+def test_at_equal_cost_a_deleted_pod_goes_back_to_its_own_node():
+    """Pod 3 was deleted on l1-2 (offered: the node did not lose it); l1-0 and l1-1 in the same
+    leaf price the gang the same and sort before it by name: the own node still wins."""
+    req = request()
+    gang = ["l0-0", "l0-1", "l0-2", "l1-2"]
+    free = {"l1-0": 1, "l1-1": 1, "l1-2": 1}
+    priced = {n: cost_of(req, [*gang[:3], n]) for n in free}
+    assert len(set(priced.values())) == 1, priced  # a tie, or the test proves nothing
+    got = replacement.replace(req, gang, {3}, nodes(), free)
+    assert isinstance(got, replacement.Replacement) and got.nodes == {3: "l1-2"}
+    # Not offered (the node lost it): the cheapest other node, by name.
+    elsewhere = replacement.replace(req, gang, {3}, nodes(), {"l1-0": 1, "l1-1": 1})
+    assert isinstance(elsewhere, replacement.Replacement) and elsewhere.nodes == {3: "l1-0"}
+    # Cheaper elsewhere beats the own node: the cost model comes first.
+    spread = ["l0-0", "l0-1", "l2-0", "l1-0"]
+    moved = replacement.replace(req, spread, {2}, nodes(), {"l2-0": 1, "l0-2": 1})
+    assert cost_of(req, ["l0-0", "l0-1", "l0-2", "l1-0"]) < cost_of(req, spread)
+    assert isinstance(moved, replacement.Replacement) and moved.nodes == {2: "l0-2"}
+
+
 def test_a_spare_comes_first_even_where_another_node_is_cheaper():
     req = request()
     free = {"l0-2": 1, "l2-0": 1, "l2-1": 1}

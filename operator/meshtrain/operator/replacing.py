@@ -129,10 +129,11 @@ class Replacer:
         demand = feasibility.demand_of(self._template(job, action.attempt, where))
         wanted = collections.Counter(node for _, node in found.values())
         cache = self.placer.cache
-        spares = sparing.held(owned.owned_pods(cache, ref), action.attempt)  # theirs to take
+        pods = owned.owned_pods(cache, ref)
+        theirs = [*sparing.held(pods, action.attempt), *_vacating(pods, action)]
         raw = list(cache.nodes.values())
         ask = devices.ask_of(job.spec, cache.inventory()) if job.spec is not None else None
-        blocked = capacity.infeasible_nodes(demand, wanted, raw, cache.usage(without=spares), ask)
+        blocked = capacity.infeasible_nodes(demand, wanted, raw, cache.usage(without=theirs), ask)
         return {i: pn for i, pn in found.items() if pn[1] not in blocked}
 
     def _recovery_changed(
@@ -190,12 +191,15 @@ class Replacer:
         avoid = frozenset(action.avoid)
         raw_nodes, _, _ = fit.candidates(job, gpu, clock.now(), also_avoid=avoid)
         demand = feasibility.demand_of(self._template(job, action.attempt, where))
-        spare_pods = sparing.held(owned.owned_pods(cache, job.ref), action.attempt)
+        pods = owned.owned_pods(cache, job.ref)
+        spare_pods = sparing.held(pods, action.attempt)
         spares = {identity.planned_node(p) or "" for p in spare_pods} - avoid
         offered, _ = capacity.offered_nodes(
             demand,
             raw_nodes,
-            cache.usage(without=spare_pods),  # a spare's GPUs are the replacement's
+            # A spare's GPUs are the replacement's, and so are those of a lost pod on a node
+            # that did not lose it (a deletion): the replacement is created once it stopped.
+            cache.usage(without=[*spare_pods, *_vacating(pods, action)]),
             gpus_per_pod=per_pod,
             pods_wanted=len(fresh),
             claim=fit.claims.get(job.ref.uid),
@@ -286,3 +290,18 @@ class Replacer:
             g for g in pod["spec"].get("schedulingGates") or [] if g.get("name") != naming.GANG_GATE
         ]
         return kueue_workload.gang_pod(pod, where, job=job.ref.name, topology=action.topology)
+
+
+def _vacating(pods: list[dict[str, Any]], action: job_actions.ReplacePods) -> list[dict[str, Any]]:
+    """The lost pods of ``action``'s gang attempt on nodes they may go back to (deleted, not
+    lost by their node): their replacements are created only once they stopped
+    (``replacement.holders``), so their GPUs count as the replacements'.  A terminal one holds
+    nothing already (the cache leaves it out)."""
+    lost = set(action.indices)
+    return [
+        p
+        for p in pods
+        if naming.int_label(p["metadata"].get("labels"), naming.LABEL_ATTEMPT) == action.attempt
+        and naming.int_label(p["metadata"].get("labels"), naming.LABEL_NODE_RANK) in lost
+        and identity.planned_node(p) not in action.avoid
+    ]

@@ -3,8 +3,8 @@
 A running gang of three pods loses pod 2: only it is replaced, on a node of the leaf its plan
 requires, bound there by kube-scheduler, while pods 0 and 1 keep their UIDs and the gang attempt
 stays; with ``runPolicy.recovery.spareNodes`` the replacement takes the spare and a new spare is
-reserved; pod 0 (the rendezvous store's host) lost rebuilds the gang; a replacement waits until
-the pod it replaces has stopped; the pods tolerate a lost node for a third of the rejoin window.
+reserved; pod 0 (the rendezvous store's host) lost rebuilds the gang; a deleted pod whose own node
+is the only room goes back there; a replacement waits until the pod it replaces has stopped; the pods tolerate a lost node for a third of the rejoin window.
 """
 
 from __future__ import annotations
@@ -154,6 +154,35 @@ def test_a_lost_pod_without_room_in_its_leaf_rebuilds_the_gang(plane, space):
     assert cluster.events(namespace, "full", "PodNotReplaced")
 
 
+def test_a_deleted_pod_whose_own_node_is_the_only_room_is_replaced_there(plane, space):
+    """The gang fills every node: the deleted pod's GPUs are its replacement's (created once the
+    pod stopped), so only it is replaced, on its own node, and the gang is not rebuilt."""
+    cluster, (namespace, pool) = plane, space
+    _fabric(cluster, pool, in_leaf=3, elsewhere=0)
+    before = _start(
+        cluster, JobBuilder("own", namespace, pool).layout(data=6).gpus(2), namespace, "own"
+    )
+    node = cluster.core.read_namespaced_pod("own-r0-1", namespace).spec.node_name
+    cluster.core.delete_namespaced_pod("own-r0-1", namespace)  # the kubelet confirms it
+    replaced = _bound(cluster, namespace, "own-r0-1-p1")
+    assert replaced.spec.node_name == node
+    wait_for(
+        "pods 0 and 2 untouched beside the replacement",
+        lambda: (
+            {p.metadata.name: p.metadata.uid for p in cluster.pods(namespace, "own")}
+            == {
+                "own-r0-0": before["own-r0-0"],
+                "own-r0-1-p1": replaced.metadata.uid,
+                "own-r0-2": before["own-r0-2"],
+            }
+        ),
+    )
+    status = cluster.status(namespace, "own")
+    assert status.get("restarts", 0) == 0 and status["recovery"]["byTier"]["pod"] == 1, status
+    (event,) = cluster.events(namespace, "own", "PodReplaced")
+    assert "own-r0-1-p1" in event.message and node in event.message
+
+
 def test_pod_zero_lost_rebuilds_the_gang(plane, space):
     cluster, (namespace, pool) = plane, space
     _fabric(cluster, pool, in_leaf=4, elsewhere=0)
@@ -264,7 +293,8 @@ def test_a_replacement_waits_until_the_pod_it_replaces_has_stopped(plane, space)
     assert _pod(cluster, namespace, "hold-r0-2-p1") is None
     cluster.core.patch_namespaced_pod("hold-r0-2", namespace, {"metadata": {"finalizers": None}})
     replaced = _bound(cluster, namespace, "hold-r0-2-p1")
-    assert replaced.spec.node_name != old.spec.node_name  # its GPUs were held till the end
+    # A deletion, not its node, lost it: back on its own node (at equal cost), once it let go.
+    assert replaced.spec.node_name == old.spec.node_name
     wait_for(
         "the replacement created, no longer pending",
         lambda: "pending" not in cluster.status(namespace, "hold")["placement"][2],
