@@ -95,9 +95,11 @@ def lost(seen: situation.Situation) -> job_actions.ReplacePods | None:
 def _replace(seen: situation.Situation) -> job_actions.Decision:
     replace = seen.once(lost)
     assert replace is not None
-    # After a rebuild instead (no room), look again as the rebuild would.
+    # After a rebuild instead (no room), look again as a repeated disruption's wait says; never
+    # "at once": a rebuild's own writes bring the next pass, and a replacement waiting for its
+    # lost pod to stop is woken by that pod's events (a zero here spun ~18 passes a second).
     again = failure.restart_or_fail(seen, seen.failures).requeue_after
-    return job_actions.Decision((replace,), requeue_after=again)
+    return job_actions.Decision((replace,), requeue_after=again or None)
 
 
 REPLACE_LOST = situation.PLACED.rule(
