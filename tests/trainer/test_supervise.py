@@ -26,6 +26,7 @@ from meshtrain.api import exitcodes
 from meshtrain.trainer import launch, supervise
 from meshtrain.trainer.checkpointing import memory, snapshot_file, store
 from meshtrain.trainer.guards import faults
+from meshtrain.trainer.recovery import generations
 from meshtrain.trainer.telemetry import goodput, recoveries, steplog
 from tests.builders import JobBuilder
 
@@ -250,6 +251,43 @@ def test_a_restarted_pod_rejoins_while_the_other_keeps_its_processes(
     records = recoveries.read(tmp_path / "logs" / recoveries.FILENAME)
     assert records and records[-1]["tier"] in ("container", "pod"), records
     assert set(records[-1]["ranks"]) == {2, 3}, records
+    _same_final_state(tmp_path, reference, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_pod_stopped_alone_leaves_and_the_others_wait_in_place_for_its_replacement(
+    tmp_path: Path, unfaulted: tuple[Path, Path]
+) -> None:
+    """``kubectl delete pod`` on pod 1 (SIGTERM to its PID 1): every rank stops after the same
+    step with a checkpoint of it, pod 1 exits 143, and pod 0, whose pod got no signal, keeps its
+    processes and waits at the next round; the replacement joins it and the run ends exactly as
+    the unfaulted one, no step lost."""
+    spec, reference = unfaulted
+    port = launch.free_port()
+    pod0, pod1 = _supervisors(spec, tmp_path, 2, 2, port=port)
+    log = tmp_path / "logs" / steplog.FILENAME
+    deadline = time.monotonic() + 300
+    while not (log.exists() and max((r["step"] for r in steplog.read(log)), default=0) >= 2):
+        assert pod0.poll() is None and time.monotonic() < deadline, _logs(tmp_path)
+        time.sleep(0.1)
+    pod1.send_signal(signal.SIGTERM)
+    assert _wait([pod1], tmp_path) == [exitcodes.STOPPED], _logs(tmp_path)
+    stopped_at = max(r["step"] for r in steplog.read(log))
+    assert stopped_at < STEPS and store.scan(tmp_path / "checkpoints")[-1].step == stopped_at
+    time.sleep(generations.PEER_STOP_GRACE_S + 2)  # past the wait for its own signal
+    assert pod0.poll() is None, _logs(tmp_path)  # not ended with the gang: waiting in place
+    [pod1] = _supervisors(spec, tmp_path, 2, 2, port=port, only=1)  # the replacement pod
+    codes = _wait([pod0, pod1], tmp_path)
+    text = _logs(tmp_path)
+    assert codes == [0, 0], text
+    joined = _pids(text)
+    last = max(joined)
+    assert last >= 1 and all(joined[0][r] == joined[last][r] for r in (0, 1)), text
+    records = recoveries.read(tmp_path / "logs" / recoveries.FILENAME)
+    assert records and records[-1]["resumedStep"] == stopped_at, records
+    assert records[-1]["lostSteps"] == 0 and records[-1]["source"] == "storage", records
+    # the replacement's report is the widest of the round: its ranks, restarted as a container
+    assert records[-1]["tier"] in ("container", "pod") and records[-1]["ranks"] == [2, 3], records
     _same_final_state(tmp_path, reference, tmp_path)
 
 

@@ -174,7 +174,7 @@ class Supervisor:
     def child_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env[generations.SUPERVISED_ENV] = generations.Settings(
-            self.config.in_place_limit, self.config.rejoin_timeout_s
+            self.config.in_place_limit, self.config.rejoin_timeout_s, self.config.in_place
         ).dumps()
         env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ASYNC_ERROR_HANDLING
         if env.get("MESHTRAIN_DEVICE") == "cpu":

@@ -227,6 +227,15 @@ def _session(
             log.close()
 
 
+def _signalled(stop: stopping.StopRequest) -> bool:
+    """Whether this rank's own stop signal came, waiting :data:`generations.PEER_STOP_GRACE_S`
+    for it: the pods of a gang deleted together get their signals a moment apart."""
+    deadline = time.monotonic() + generations.PEER_STOP_GRACE_S
+    while not stop.requested and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return stop.requested
+
+
 def seed_global_rng(seed: int, rank: int) -> None:
     """Seed torch's global generators (CPU and every CUDA device) from ``training.seed`` and the
     global rank, before the engine is built.
@@ -328,7 +337,7 @@ def _train(
             session.step_done(step)
         if result.stop and step < job.training.steps:
             snapshots.wait()
-            return _stop_after(step, saver, recorder, log, stop)
+            return _stop_after(step, saver, recorder, log, stop, session)
     snapshots.wait()
     saver.wait()  # the last save, if it is still being written
     for published in saver.published():
@@ -403,8 +412,16 @@ def _stop_after(
     recorder: TelemetryRecorder,
     log: tracked.Writer | None,
     stop: stopping.StopRequest,
+    session: generations.Session | None = None,
 ) -> int:
-    """Every rank agreed to stop after ``step``: make sure a checkpoint of it exists, then leave."""
+    """Every rank agreed to stop after ``step``: make sure a checkpoint of it exists, then leave.
+
+    Supervised with in-place recovery on, a rank whose own pod got no signal (within
+    :data:`generations.PEER_STOP_GRACE_S`) does not leave: another pod alone is going (deleted,
+    drained), so it rebuilds in place and waits at the next round for that pod's replacement
+    (:class:`generations.PeerStopped`); when its own pod is stopped too (the whole gang deleted),
+    the signal ends the wait and it exits 143 all the same.
+    """
     saver.wait()  # a save in flight (perhaps of this very step) is published first
     for published in saver.published():
         recorder.checkpoint_saved(published)
@@ -413,6 +430,10 @@ def _stop_after(
         recorder.checkpoint_saved(step)
     if log is not None:
         log.close()
+    if session is not None and session.in_place and not _signalled(stop):
+        raise generations.PeerStopped(
+            f"another pod's rank was stopped (SIGTERM) after step {step}, checkpoint of it saved"
+        )
     if dist.get_rank() == 0:
         reason = stop.signal_name or "a signal on another rank"
         print(

@@ -61,6 +61,23 @@ COMMUNICATION_MARKS = ("gloo", "NCCL", "Connection closed by peer", "Connection 
 class Interrupted(Exception):
     """The current generation ended under this worker (a peer failed): rejoin the next one."""
 
+    cause = "peer lost"
+    """The failure's cause in the recovery record when this worker starts the next round."""
+
+
+class PeerStopped(Interrupted):
+    """Every rank agreed to stop after a step, but this rank's pod got no signal: another pod is
+    going alone (deleted, drained, its node shutting down), and this rank waits in place for its
+    replacement rather than ending the gang (docs/recovery.md, "A pod stopped alone")."""
+
+    cause = "peer pod stopped"
+
+
+PEER_STOP_GRACE_S = 3.0
+"""How long a rank waits for its own stop signal after the gang agreed to stop before it takes
+the stop for another pod's alone: the pods of a gang deleted together are signalled a moment
+apart, and waiting costs nothing on the path of a replacement pod that has yet to start."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -70,9 +87,18 @@ class Settings:
     """In-place recoveries per gang attempt before the gang is rebuilt."""
     rejoin_timeout_s: float
     """How long a round waits for every rank."""
+    in_place: bool = True
+    """``runPolicy.recovery.inPlace``: off, a rank stopped with its gang leaves (143) even when
+    only another pod was signalled."""
 
     def dumps(self) -> str:
-        return json.dumps({"inPlaceLimit": self.in_place_limit, "rejoin": self.rejoin_timeout_s})
+        return json.dumps(
+            {
+                "inPlaceLimit": self.in_place_limit,
+                "rejoin": self.rejoin_timeout_s,
+                "inPlace": self.in_place,
+            }
+        )
 
     @staticmethod
     def from_env() -> Settings | None:
@@ -80,7 +106,9 @@ class Settings:
         if not raw:
             return None
         value = json.loads(raw)
-        return Settings(int(value["inPlaceLimit"]), float(value["rejoin"]))
+        return Settings(
+            int(value["inPlaceLimit"]), float(value["rejoin"]), bool(value.get("inPlace", True))
+        )
 
 
 class Watcher(threading.Thread):
@@ -179,6 +207,8 @@ class Session:
     """Rank 0's goodput account, the same in every generation of this process (None elsewhere)."""
     record: recoveries.Recovery | None = None
     """Rank 0: this generation's recovery record, once restored (firstStepAt still unset)."""
+    in_place: bool = True
+    """In-place recovery is on (:attr:`Settings.in_place`)."""
 
     def interrupted(self) -> bool:
         """Whether this generation is over (the watcher fired or the store moved on)."""
@@ -360,8 +390,9 @@ def _generations(
         watcher = Watcher(store, generation, sockets, backend=backend, incarnation=fence)
         watcher.start()
         session = Session(
-            generation, store, rank, watcher, log_dir, history, previous, tracker=tracker
-        )
+            generation, store, rank, watcher, log_dir, history, previous, tracker=tracker,
+            in_place=settings.in_place,
+        )  # fmt: skip
         try:
             return body(session)
         except (RuntimeError, Interrupted) as err:
@@ -375,7 +406,8 @@ def _generations(
                 if not isinstance(err, Interrupted) and not communication_error(err):
                     raise  # this rank's own failure: its supervisor replaces the process
                 # the first to see it: a peer is gone and nobody started a new round yet
-                failure = rendezvous.Failure("process", "peer lost", (), time.time())
+                cause = err.cause if isinstance(err, Interrupted) else Interrupted.cause
+                failure = rendezvous.Failure("process", cause, (), time.time())
                 rendezvous.start_round(
                     store, generation, failure, settings.in_place_limit, token=member
                 )
