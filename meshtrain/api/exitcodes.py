@@ -31,7 +31,8 @@ it was thought lost; ``MESHTRAIN_POD_UID`` registered in the rendezvous store): 
 stops its workers and exits with it, so a slot never has two live holders.  Not restarted in
 place; the operator has already superseded the pod."""
 STOPPED = 128 + signal.SIGTERM
-"""A rank stopped on a signal after saving its last step; never 0, so a stopped pod does not read as finished."""
+"""A rank stopped on a signal, after saving its last step when the grace allowed; never 0, so a
+stopped pod does not read as finished, and never read as the trainer giving up (75)."""
 INTERRUPTED = 128 + signal.SIGINT
 """``meshtrain run`` was interrupted (Ctrl-C or SIGTERM) and stopped its ranks."""
 PERMANENT: dict[int, str] = {

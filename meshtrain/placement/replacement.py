@@ -36,14 +36,19 @@ def replace(
     nodes: Iterable[values.Node],
     free: Mapping[str, int],
     spares: Collection[str] = (),
+    returning: Mapping[int, str] | None = None,
 ) -> Replacement | values.Unschedulable:
     """Nodes for the ``lost`` pod indices of a gang placed on ``placed`` (node per pod index).
 
     ``nodes``: every node whose labels the fabric is read from (the survivors' included);
     ``free``: node -> free pod slots for this gang (a spare's reserved slots counted free);
-    ``spares``: nodes reserved for the job, used first.  Lost indices are placed lowest first,
-    each priced against the survivors and the replacements chosen before it.
+    ``spares``: nodes reserved for the job, used first; ``returning``: lost index -> the node its
+    lost pod still holds a slot on that only its own replacement may take (a deleted pod on a
+    node that did not lose it: the replacement is created once the pod stopped).  Lost indices
+    are placed lowest first, each priced against the survivors and the replacements chosen
+    before it; at equal cost a pod goes back to its own node.
     """
+    returning = returning or {}
     known = {node.name: node for node in nodes}
     levels = request.levels or topology.detect_levels(known.values())
     label = request.nvlink_domain_label
@@ -60,11 +65,15 @@ def replace(
     slots = {name: count for name, count in free.items() if count > 0 and name in path}
     chosen: dict[int, str] = {}
     for index in _order(request, lost, where, stage_depth):
-        inside = [n for n in slots if anchor is None or path[n][:depth] == anchor[:depth]]
+        back = returning.get(index)
+        offer = dict(slots)
+        if back in path:
+            offer[back] = offer.get(back, 0) + 1  # its own slot, for it alone
+        inside = [n for n in offer if anchor is None or path[n][:depth] == anchor[:depth]]
         if not inside:
             return _none_left(request, index, slots, depth, request.constrained(levels))
         if stage_depth:
-            inside = _in_stage_domain(request, index, inside, where, lost, slots, path, stage_depth)
+            inside = _in_stage_domain(request, index, inside, where, lost, offer, path, stage_depth)
             if not inside:
                 return _none_left(
                     request, index, slots, stage_depth, request.constrained(levels), stage=True
@@ -75,9 +84,10 @@ def replace(
         own = placed[index] if index < len(placed) else None
         best = min(pool, key=lambda n: (_cost(index, n, where, edges, path, weights), n != own, n))
         where[index] = chosen[index] = best
-        slots[best] -= 1
-        if slots[best] == 0:
-            del slots[best]
+        if best != back:  # its own returning slot is not shared
+            slots[best] -= 1
+            if slots[best] == 0:
+                del slots[best]
     total = fabric_cost.evaluate(edges, [path[where[i]] for i in range(len(placed))], weights)[1]
     used = tuple(sorted({n for n in chosen.values() if n in spares}))
     return Replacement(nodes=chosen, spares_used=used, cost=total)

@@ -26,7 +26,7 @@ from meshtrain.api import exitcodes
 from meshtrain.trainer import launch, supervise
 from meshtrain.trainer.checkpointing import memory, snapshot_file, store
 from meshtrain.trainer.guards import faults
-from meshtrain.trainer.recovery import generations
+from meshtrain.trainer.recovery import generations, rendezvous
 from meshtrain.trainer.telemetry import goodput, recoveries, steplog
 from tests.builders import JobBuilder
 
@@ -276,6 +276,10 @@ def test_a_pod_stopped_alone_leaves_and_the_others_wait_in_place_for_its_replace
     assert stopped_at < STEPS and store.scan(tmp_path / "checkpoints")[-1].step == stopped_at
     time.sleep(generations.PEER_STOP_GRACE_S + 2)  # past the wait for its own signal
     assert pod0.poll() is None, _logs(tmp_path)  # not ended with the gang: waiting in place
+    seen = rendezvous.connect("127.0.0.1", port, master=False, timeout_s=10)
+    # It did not say it left: pod 0 keeps watching the slot's next holder, and the run's end
+    # does not count it done.
+    assert not seen.check(["rdzv/pod1/left"]) and rendezvous.generation(seen) == 1
     [pod1] = _supervisors(spec, tmp_path, 2, 2, port=port, only=1)  # the replacement pod
     codes = _wait([pod0, pod1], tmp_path)
     text = _logs(tmp_path)
@@ -289,6 +293,23 @@ def test_a_pod_stopped_alone_leaves_and_the_others_wait_in_place_for_its_replace
     # the replacement's report is the widest of the round: its ranks, restarted as a container
     assert records[-1]["tier"] in ("container", "pod") and records[-1]["ranks"] == [2, 3], records
     _same_final_state(tmp_path, reference, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_pod_stopped_alone_with_no_recovery_left_stops_the_gang_with_143(tmp_path: Path) -> None:
+    """``inPlaceLimit: 0``: no round to wait in, so every rank leaves with the stop's checkpoint
+    and 143, as a whole-gang stop does; never 75 ("gave up recovering in place")."""
+    spec = _spec(tmp_path, 500, intervalSteps=1000)
+    pod0, pod1 = _supervisors(spec, tmp_path, 2, 2, "--in-place-limit=0")
+    log = tmp_path / "logs" / steplog.FILENAME
+    deadline = time.monotonic() + 300
+    while not (log.exists() and steplog.read(log)):
+        assert pod0.poll() is None and time.monotonic() < deadline, _logs(tmp_path)
+        time.sleep(0.2)
+    pod1.send_signal(signal.SIGTERM)
+    assert _wait([pod0, pod1], tmp_path) == [exitcodes.STOPPED] * 2, _logs(tmp_path)
+    last = max(r["step"] for r in steplog.read(log))
+    assert [c.step for c in store.scan(tmp_path / "checkpoints")] == [last]
 
 
 @pytest.mark.slow

@@ -94,6 +94,22 @@ def test_at_equal_cost_a_deleted_pod_goes_back_to_its_own_node():
     assert isinstance(moved, replacement.Replacement) and moved.nodes == {2: "l0-2"}
 
 
+def test_a_deleted_pods_own_slot_is_its_own_replacements_alone():
+    """Pods 1 and 2 lost; pod 1 was deleted on l0-1 and still holds its slot there (returning),
+    pod 2's node lost it.  Pod 1 goes back; pod 2, for which l0-1 would be cheapest, cannot take
+    that slot and goes where there is room; a genuinely free slot on l0-1 it may take."""
+    req = request()
+    gang = ["l0-0", "l0-1", "l0-2", "l1-0"]
+    got = replacement.replace(req, gang, {1, 2}, nodes(), {"l2-0": 1}, returning={1: "l0-1"})
+    assert isinstance(got, replacement.Replacement) and got.nodes == {1: "l0-1", 2: "l2-0"}
+    shared = replacement.replace(
+        req, gang, {1, 2}, nodes(), {"l2-0": 1, "l0-1": 1}, returning={1: "l0-1"}
+    )
+    assert isinstance(shared, replacement.Replacement) and shared.nodes == {1: "l0-1", 2: "l0-1"}
+    alone = replacement.replace(req, gang, {2}, nodes(), {}, returning={1: "l0-1"})
+    assert isinstance(alone, placement.Unschedulable)  # index 1's slot is not index 2's
+
+
 def test_a_spare_comes_first_even_where_another_node_is_cheaper():
     req = request()
     free = {"l0-2": 1, "l2-0": 1, "l2-1": 1}

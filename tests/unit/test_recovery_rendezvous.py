@@ -267,6 +267,45 @@ def test_a_stop_during_a_rejoin_ends_the_wait(store):
     assert generations.JOIN_EXITS["stopped"] == exitcodes.STOPPED
 
 
+def test_the_budget_left_is_what_start_round_allows(store, monkeypatch):
+    """``recoveries_left`` (a rank stopped with its gang asks it before waiting in place) agrees
+    with ``start_round``: one left, the round starts; none left, it would halt with 75."""
+    rendezvous.init_generation(store)
+    now = [1_000_000.0]
+    monkeypatch.setattr(rendezvous.time, "time", lambda: now[0])
+    assert rendezvous.recoveries_left(store, 1) == 1
+    assert rendezvous.start_round(store, 0, failure(1), limit=1)
+    assert rendezvous.recoveries_left(store, 1) == 0
+    assert rendezvous.recoveries_left(store, 0) == 0
+    now[0] += api_run_policy.STEADY_RUNNING_SECONDS
+    assert rendezvous.recoveries_left(store, 1) == 1
+    assert (
+        rendezvous.start_round(store, 1, failure(1), limit=1) and rendezvous.halted(store) is None
+    )
+
+
+def test_a_rank_counted_in_a_round_that_leaves_it_moves_the_gang_on(store):
+    """A stop during the join after the rank was counted: the round must not start without it
+    (its peers would wait for the process-group timeout); one not counted moves nothing."""
+    rendezvous.init_generation(store)
+    assert join(store, 0, 0, 2, timeout_s=10, member="m0", stopped=lambda: True) == "stopped"
+    rendezvous.leave(store, 0, 1, "m1", failure(1, cause="stopped in the join"), limit=10)
+    assert rendezvous.generation(store) == 0, "rank 1 never joined: nothing to move"
+    rendezvous.leave(store, 0, 0, "m0", failure(0, cause="stopped in the join"), limit=10)
+    assert rendezvous.generation(store) == 1
+    assert rendezvous.summary(store, 1)["cause"] == "stopped in the join"
+    rendezvous.leave(store, 0, 0, "m0", failure(0), limit=10)  # a round already moved: no bump
+    assert rendezvous.generation(store) == 1
+
+
+def test_a_replacement_of_a_pod_that_said_it_left_is_watched_again(store):
+    """A pod that finished or was halted says so (``pod{p}/left``: pod 0 stops watching its
+    heartbeat); the pod that takes its slot next clears it."""
+    store.set("rdzv/pod1/left", "1")
+    assert rendezvous.take_incarnation(store, 1, "new", uid="uid-2") is not None
+    assert not store.check(["rdzv/pod1/left"])
+
+
 def test_a_garbled_generation_reads_as_no_round():
     assert rendezvous.number(b"7:abc") == 7 and rendezvous.number(b"x:1") == -1
 

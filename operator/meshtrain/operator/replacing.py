@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from meshtrain import placement
@@ -33,6 +34,8 @@ from meshtrain.operator.policy import (
     kueue_topology,
     kueue_workload,
     naming,
+    pod_failure,
+    pod_state,
     replacement,
     reservation,
 )
@@ -67,7 +70,7 @@ class Replacer:
             fresh = [i for i in action.indices if i not in chosen]
             made: list[replacement.Replaced] = []
             if fresh:
-                answer = self._choose(action, job, fresh, where)
+                answer = self._choose(action, job, fresh, where, chosen)
                 if isinstance(answer, placement.Unschedulable):
                     message = f"lost pod(s) {fresh} not replaced alone: {answer.message}"
                     logger.info("%s/%s: %s", ref.namespace, ref.name, message)
@@ -130,7 +133,8 @@ class Replacer:
         wanted = collections.Counter(node for _, node in found.values())
         cache = self.placer.cache
         pods = owned.owned_pods(cache, ref)
-        theirs = [*sparing.held(pods, action.attempt), *_vacating(pods, action)]
+        back = {index: node for index, (_, node) in found.items()}
+        theirs = [*sparing.held(pods, action.attempt), *_vacating(pods, action, back).values()]
         raw = list(cache.nodes.values())
         ask = devices.ask_of(job.spec, cache.inventory()) if job.spec is not None else None
         blocked = capacity.infeasible_nodes(demand, wanted, raw, cache.usage(without=theirs), ask)
@@ -183,8 +187,10 @@ class Replacer:
         job: job_state.JobState,
         fresh: list[int],
         where: kueue_workload.Assignment,
+        pending: dict[int, tuple[str, str]],
     ) -> choice.Replacement | placement.Unschedulable:
-        """Nodes for the ``fresh`` lost indices, beside the surviving pods."""
+        """Nodes for the ``fresh`` lost indices, beside the surviving pods and the ``pending``
+        replacements (recorded, not created yet: the cache does not count them)."""
         assert job.spec is not None
         spec, fit, cache = job.spec, self.placer.fit, self.placer.cache
         gpu, per_pod = spec.resources.gpu_resource_name, spec.resources.gpus_per_node
@@ -194,18 +200,32 @@ class Replacer:
         pods = owned.owned_pods(cache, job.ref)
         spare_pods = sparing.held(pods, action.attempt)
         spares = {identity.planned_node(p) or "" for p in spare_pods} - avoid
-        offered, _ = capacity.offered_nodes(
-            demand,
-            raw_nodes,
-            # A spare's GPUs are the replacement's, and so are those of a lost pod on a node
-            # that did not lose it (a deletion): the replacement is created once it stopped.
-            cache.usage(without=[*spare_pods, *_vacating(pods, action)]),
-            gpus_per_pod=per_pod,
-            pods_wanted=len(fresh),
-            claim=fit.claims.get(job.ref.uid),
-            ask=devices.ask_of(spec, cache.inventory()),
-        )
-        free = {n.name: n.allocatable_gpus // per_pod for n in offered}
+
+        def room(without: list[dict[str, Any]]) -> dict[str, int]:
+            offered, _ = capacity.offered_nodes(
+                demand,
+                raw_nodes,
+                cache.usage(without=without),
+                gpus_per_pod=per_pod,
+                pods_wanted=len(fresh),
+                claim=fit.claims.get(job.ref.uid),
+                ask=devices.ask_of(spec, cache.inventory()),
+            )
+            return {n.name: n.allocatable_gpus // per_pod for n in offered}
+
+        free = room(spare_pods)  # a spare's GPUs are the replacement's
+        for _, node in pending.values():
+            if free.get(node, 0) > 0:
+                free[node] -= 1
+        # A lost pod on a node that did not lose it (a deletion) holds a slot there that its
+        # own replacement may take (created once the pod stopped), where every filter passes.
+        vacating = _vacating(pods, action, dict.fromkeys(fresh))
+        returning = {}
+        if vacating:
+            freed = room([*spare_pods, *vacating.values()])
+            returning = {
+                i: n for i, p in vacating.items() if (n := identity.planned_node(p)) in freed
+            }
         placed = replacement.entries(job.status)
         on = [str((placed.get(i) or {}).get("node") or "") for i in range(spec.pods)]
         every = [placement.node_from_manifest(n, gpu) for n in cache.nodes.values()]
@@ -218,11 +238,11 @@ class Replacer:
         kept = self.placer.waiting.excluded(job.ref.uid)  # the reservation's nodes: a last resort
         if kept:
             away = choice.replace(
-                request, on, fresh, every, reservation.outside(free, kept), spares
+                request, on, fresh, every, reservation.outside(free, kept), spares, returning
             )
             if not isinstance(away, placement.Unschedulable):
                 return away
-        return choice.replace(request, on, fresh, every, free, spares)
+        return choice.replace(request, on, fresh, every, free, spares, returning)
 
     async def _release(self, job: job_state.JobState, attempt: int, nodes: tuple[str, ...]) -> None:
         """Delete the spare pods on ``nodes`` (those of the replacements created now): their GPUs
@@ -292,16 +312,29 @@ class Replacer:
         return kueue_workload.gang_pod(pod, where, job=job.ref.name, topology=action.topology)
 
 
-def _vacating(pods: list[dict[str, Any]], action: job_actions.ReplacePods) -> list[dict[str, Any]]:
-    """The lost pods of ``action``'s gang attempt on nodes they may go back to (deleted, not
-    lost by their node): their replacements are created only once they stopped
-    (``replacement.holders``), so their GPUs count as the replacements'.  A terminal one holds
-    nothing already (the cache leaves it out)."""
-    lost = set(action.indices)
-    return [
-        p
-        for p in pods
-        if naming.int_label(p["metadata"].get("labels"), naming.LABEL_ATTEMPT) == action.attempt
-        and naming.int_label(p["metadata"].get("labels"), naming.LABEL_NODE_RANK) in lost
-        and identity.planned_node(p) not in action.avoid
-    ]
+def _vacating(
+    pods: list[dict[str, Any]], action: job_actions.ReplacePods, back: Mapping[int, str | None]
+) -> dict[int, dict[str, Any]]:
+    """Index -> the lost pod of ``action``'s gang attempt that a deletion, not its node, ended
+    (deleting, no ``DisruptionTarget``, its node not in ``action.avoid``) and that still holds its
+    node's resources, for the indices of ``back`` whose replacement may go back to that node
+    (``back[i]``: the node recorded for it; None: any, being chosen now).  Its replacement is
+    created only once it stopped (``replacement.holders``), so the slot is that replacement's
+    alone."""
+    found: dict[int, dict[str, Any]] = {}
+    for pod in pods:
+        state = pod_state.read(pod)
+        if state is None or state.attempt != action.attempt or state.index not in back:
+            continue
+        node = state.node
+        ended_by_deletion = state.deleting and not pod_failure.disrupted(state)
+        if (
+            state.index in action.indices
+            and node is not None
+            and node not in action.avoid
+            and back[state.index] in (None, node)
+            and ended_by_deletion
+            and state.holds_resources
+        ):
+            found[state.index] = pod
+    return found

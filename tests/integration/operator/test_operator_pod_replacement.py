@@ -184,6 +184,44 @@ def test_a_deleted_pod_whose_own_node_is_the_only_room_is_replaced_there(plane, 
     assert "own-r0-1-p1" in event.message and node in event.message
 
 
+def test_two_deleted_pods_of_a_full_gang_each_go_back_to_their_own_node(plane, space):
+    """Pods 0 and 1 fill leaf a, pod 2 leaf b.  Pod 1 is deleted and still stopping (a
+    finalizer) when pod 2 is deleted: leaf a, beside pod 0, would be cheaper for pod 2, but the
+    only slot there is pod 1's, which pod 1's recorded replacement keeps; pod 2's goes back to its
+    own node (on pod 1's it could not bind while pod 1's replacement sits there)."""
+    cluster, (namespace, pool) = plane, space
+    leaf_a, leaf_b = _fabric(cluster, pool, in_leaf=2, elsewhere=1)
+    job = JobBuilder("two", namespace, pool).layout(data=6).gpus(2)
+    job.topology(levels=[{"label": LEAF}])
+    _start(cluster, job, namespace, "two")
+    on = [p["node"] for p in cluster.status(namespace, "two")["placement"]]
+    assert {on[0], on[1]} == leaf_a and {on[2]} == leaf_b, on  # the premise
+    hold = {"metadata": {"finalizers": ["meshtrain.test/still-running"]}}
+    nodes = {}
+    for index in (1, 2):
+        name = f"two-r0-{index}"
+        nodes[index] = cluster.core.read_namespaced_pod(name, namespace).spec.node_name
+        cluster.core.patch_namespaced_pod(name, namespace, hold)
+        cluster.core.delete_namespaced_pod(name, namespace)
+        wait_for(
+            f"pod {index}'s replacement recorded",
+            lambda i=index: cluster.status(namespace, "two")["placement"][i].get("pending"),
+        )
+    placement = cluster.status(namespace, "two")["placement"]
+    assert [placement[i]["node"] for i in (1, 2)] == [nodes[1], nodes[2]], placement
+    for index in (1, 2):
+        cluster.core.patch_namespaced_pod(
+            f"two-r0-{index}", namespace, {"metadata": {"finalizers": None}}
+        )
+    for index in (1, 2):
+        assert _bound(cluster, namespace, f"two-r0-{index}-p1").spec.node_name == nodes[index]
+    status = cluster.status(namespace, "two")
+    assert status.get("restarts", 0) == 0 and status["recovery"]["byTier"]["pod"] == 2, status
+    # Each chosen once: no replacement re-planned after landing beside another one.
+    cluster.wait_reason(namespace, "two", "Running", "AllPodsRunning")
+    assert len(cluster.events(namespace, "two", "PodReplaced")) == 2
+
+
 def test_pod_zero_lost_rebuilds_the_gang(plane, space):
     cluster, (namespace, pool) = plane, space
     _fabric(cluster, pool, in_leaf=4, elsewhere=0)

@@ -355,9 +355,16 @@ class Supervisor:
             _say(self.pod, f"workers ended without saving: {', '.join(unsaved)}")
         return exitcodes.STOPPED
 
-    def linger(self) -> None:
+    def linger(self, code: int) -> None:
         """Pod 0: keep the store up until every supervisor left, or no other pod's heartbeat
-        moves any more, within the shutdown timeout (at least :data:`LINGER_S`)."""
+        moves any more, within the shutdown timeout (at least :data:`LINGER_S`).
+
+        Another pod says it left only when it finished (0) or the gang was halted: one stopped
+        alone (143) or fenced off (76) leaves its slot to a replacement that pod 0 must watch,
+        and must not count as done at the run's end.
+        """
+        if self.pod != 0 and code != 0 and rendezvous.halted(self.store) is None:
+            return
         self.store.set(f"rdzv/pod{self.pod}/left", "1")
         left = self.store.add(rendezvous.DONE, 1)
         if self.pod != 0:
@@ -507,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         progress.write_failure(exitcodes.GANG_RESTART, f"lost the rendezvous store: {err}")
         return exitcodes.GANG_RESTART
     try:
-        supervisor.linger()
+        supervisor.linger(code)
     except (RuntimeError, OSError):
         pass
     finally:

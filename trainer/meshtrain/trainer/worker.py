@@ -416,7 +416,7 @@ def _stop_after(
 ) -> int:
     """Every rank agreed to stop after ``step``: make sure a checkpoint of it exists, then leave.
 
-    Supervised with in-place recovery on, a rank whose own pod got no signal (within
+    Supervised with in-place recovery on (and budget left), a rank whose own pod got no signal (within
     :data:`generations.PEER_STOP_GRACE_S`) does not leave: another pod alone is going (deleted,
     drained), so it rebuilds in place and waits at the next round for that pod's replacement
     (:class:`generations.PeerStopped`); when its own pod is stopped too (the whole gang deleted),
@@ -430,7 +430,7 @@ def _stop_after(
         recorder.checkpoint_saved(step)
     if log is not None:
         log.close()
-    if session is not None and session.in_place and not _signalled(stop):
+    if session is not None and session.waits_for_peers() and not _signalled(stop):
         raise generations.PeerStopped(
             f"another pod's rank was stopped (SIGTERM) after step {step}, checkpoint of it saved"
         )

@@ -209,6 +209,14 @@ class Session:
     """Rank 0: this generation's recovery record, once restored (firstStepAt still unset)."""
     in_place: bool = True
     """In-place recovery is on (:attr:`Settings.in_place`)."""
+    in_place_limit: int = 0
+    """:attr:`Settings.in_place_limit`."""
+
+    def waits_for_peers(self) -> bool:
+        """Whether a rank whose pod got no stop signal waits in place for another pod's
+        replacement: in-place recovery on and a recovery left in the budget (else it leaves
+        with the gang, 143, rather than start a round that would halt it with 75)."""
+        return self.in_place and rendezvous.recoveries_left(self.store, self.in_place_limit) > 0
 
     def interrupted(self) -> bool:
         """Whether this generation is over (the watcher fired or the store moved on)."""
@@ -364,6 +372,9 @@ def _generations(
         if outcome == "moved":
             continue
         if outcome in JOIN_EXITS:
+            if outcome == "stopped":
+                failure = rendezvous.Failure("process", "stopped in the join", (rank,), time.time())
+                rendezvous.leave(store, generation, rank, member, failure, settings.in_place_limit)
             _say(f"generation {generation}: {outcome}; leaving with {JOIN_EXITS[outcome]}")
             return JOIN_EXITS[outcome]
         if outcome != "ready":
@@ -391,7 +402,7 @@ def _generations(
         watcher.start()
         session = Session(
             generation, store, rank, watcher, log_dir, history, previous, tracker=tracker,
-            in_place=settings.in_place,
+            in_place=settings.in_place, in_place_limit=settings.in_place_limit,
         )  # fmt: skip
         try:
             return body(session)

@@ -176,6 +176,7 @@ def take_incarnation(
     replaced pod came back: it must leave, not supersede its replacement)."""
     if not claim_slot(store, pod, uid):
         return None
+    store.delete_key(f"rdzv/pod{pod}/left")  # a replacement is not done: pod 0 watches it again
     taken = Incarnation(pod, store.add(f"rdzv/pod{pod}/incarnation", 1), identity)
     store.set(f"rdzv/pod{pod}/holder", taken.dumps())
     return taken
@@ -291,6 +292,24 @@ def start_round(
         halt(store, exitcodes.GANG_RESTART)
         return False
     return True
+
+
+def recoveries_left(store: c10d.Store, limit: int) -> int:
+    """In-place recoveries the gang may still start before :func:`start_round` halts it."""
+    last = _float(store, IN_PLACE_AT)
+    if last is not None and time.time() - last >= api_run_policy.STEADY_RUNNING_SECONDS:
+        return limit  # a quiet gang: the next round starts its budget again
+    return max(limit - _int(store, IN_PLACE, 0), 0)
+
+
+def leave(
+    store: c10d.Store, round_: int, rank: int, member: str, failure: Failure, limit: int
+) -> None:
+    """``member`` leaves round ``round_`` (a stop during its join): when it was counted there,
+    the gang moves to the next round, so the round never starts with ``rank`` missing (its
+    peers would wait for the process-group timeout)."""
+    if _joined(store, round_, rank) == member and generation(store) == round_:
+        start_round(store, round_, failure, limit, token=member)
 
 
 def ranks_failed(store: c10d.Store, ranks: tuple[int, ...], failure: Failure, limit: int) -> int:
