@@ -102,6 +102,18 @@ def _logs(out: Path) -> str:
     return "\n".join(p.read_text(errors="replace")[-4000:] for p in sorted(out.glob("sup-*.log")))
 
 
+def _wait_for_step(
+    watched: subprocess.Popen[bytes], out: Path, step: int = 1, timeout: float = 300
+) -> Path:
+    """Rank 0's step log once it holds ``step`` (while ``watched`` runs); the log's path."""
+    log = out / "logs" / steplog.FILENAME
+    deadline = time.monotonic() + timeout
+    while not (log.exists() and max((r["step"] for r in steplog.read(log)), default=0) >= step):
+        assert watched.poll() is None and time.monotonic() < deadline, _logs(out)
+        time.sleep(0.1)
+    return log
+
+
 def _tensors(directory: Path, scratch: Path) -> dict[str, Any]:
     """Every entry of a DCP checkpoint, flattened (the ``rng.<rank>`` states included: the worker
     seeds the global RNG from the spec's seed and the rank, and a restore sets the saved state)."""
@@ -232,11 +244,7 @@ def test_a_restarted_pod_rejoins_while_the_other_keeps_its_processes(
     spec, reference = unfaulted
     port = launch.free_port()
     pod0, pod1 = _supervisors(spec, tmp_path, 2, 2, port=port)
-    log = tmp_path / "logs" / steplog.FILENAME
-    deadline = time.monotonic() + 300
-    while not (log.exists() and max((r["step"] for r in steplog.read(log)), default=0) >= 2):
-        assert pod0.poll() is None and time.monotonic() < deadline, _logs(tmp_path)
-        time.sleep(0.1)
+    _wait_for_step(pod0, tmp_path, 2)
     os.killpg(pod1.pid, signal.SIGKILL)  # the pod's container: supervisor, workers, spare
     pod1.wait()
     [pod1] = _supervisors(spec, tmp_path, 2, 2, port=port, only=1)  # the kubelet's restart
@@ -265,11 +273,7 @@ def test_a_pod_stopped_alone_leaves_and_the_others_wait_in_place_for_its_replace
     spec, reference = unfaulted
     port = launch.free_port()
     pod0, pod1 = _supervisors(spec, tmp_path, 2, 2, port=port)
-    log = tmp_path / "logs" / steplog.FILENAME
-    deadline = time.monotonic() + 300
-    while not (log.exists() and max((r["step"] for r in steplog.read(log)), default=0) >= 2):
-        assert pod0.poll() is None and time.monotonic() < deadline, _logs(tmp_path)
-        time.sleep(0.1)
+    log = _wait_for_step(pod0, tmp_path, 2)
     pod1.send_signal(signal.SIGTERM)
     assert _wait([pod1], tmp_path) == [exitcodes.STOPPED], _logs(tmp_path)
     stopped_at = max(r["step"] for r in steplog.read(log))
@@ -301,11 +305,7 @@ def test_a_pod_stopped_alone_with_no_recovery_left_stops_the_gang_with_143(tmp_p
     and 143, as a whole-gang stop does; never 75 ("gave up recovering in place")."""
     spec = _spec(tmp_path, 500, intervalSteps=1000)
     pod0, pod1 = _supervisors(spec, tmp_path, 2, 2, "--in-place-limit=0")
-    log = tmp_path / "logs" / steplog.FILENAME
-    deadline = time.monotonic() + 300
-    while not (log.exists() and steplog.read(log)):
-        assert pod0.poll() is None and time.monotonic() < deadline, _logs(tmp_path)
-        time.sleep(0.2)
+    log = _wait_for_step(pod0, tmp_path)
     pod1.send_signal(signal.SIGTERM)
     assert _wait([pod0, pod1], tmp_path) == [exitcodes.STOPPED] * 2, _logs(tmp_path)
     last = max(r["step"] for r in steplog.read(log))
@@ -352,11 +352,7 @@ def test_a_permanent_worker_code_passes_through(tmp_path: Path) -> None:
 def test_sigterm_stops_every_rank_after_a_checkpoint(tmp_path: Path) -> None:
     spec = _spec(tmp_path, 500, intervalSteps=1000)
     [proc] = _supervisors(spec, tmp_path, 1, 4)
-    log = tmp_path / "logs" / steplog.FILENAME
-    deadline = time.monotonic() + 300
-    while not (log.exists() and steplog.read(log)):
-        assert proc.poll() is None and time.monotonic() < deadline, _logs(tmp_path)
-        time.sleep(0.2)
+    log = _wait_for_step(proc, tmp_path)
     proc.send_signal(signal.SIGTERM)
     assert _wait([proc], tmp_path) == [exitcodes.STOPPED], _logs(tmp_path)
     last = max(r["step"] for r in steplog.read(log))
@@ -372,11 +368,7 @@ def test_sigterm_with_no_time_to_save_is_a_stop_never_a_gang_rebuild(tmp_path: P
     kubelet's own reason and never reads the trainer "giving up in place" (75)."""
     spec = _spec(tmp_path, 500, intervalSteps=1000)
     [proc] = _supervisors(spec, tmp_path, 1, 4, "--shutdown-timeout", "0")
-    log = tmp_path / "logs" / steplog.FILENAME
-    deadline = time.monotonic() + 300
-    while not (log.exists() and steplog.read(log)):
-        assert proc.poll() is None and time.monotonic() < deadline, _logs(tmp_path)
-        time.sleep(0.2)
+    _wait_for_step(proc, tmp_path)
     proc.send_signal(signal.SIGTERM)
     assert _wait([proc], tmp_path) == [exitcodes.STOPPED], _logs(tmp_path)
     assert "workers ended without saving: " + ", ".join(["SIGKILL"] * 4) in _logs(tmp_path)
@@ -392,11 +384,7 @@ def test_losing_pod_0_and_its_store_sends_every_pod_to_a_gang_rebuild(tmp_path: 
     pod0, pod1 = _supervisors(
         spec, tmp_path, 2, 1, "--warm-spares=0", MESHTRAIN_TERMINATION_LOG=str(termination)
     )
-    log = tmp_path / "logs" / steplog.FILENAME
-    deadline = time.monotonic() + 300
-    while not (log.exists() and steplog.read(log)):
-        assert pod1.poll() is None and time.monotonic() < deadline, _logs(tmp_path)
-        time.sleep(0.1)
+    _wait_for_step(pod1, tmp_path)
     os.killpg(pod0.pid, signal.SIGKILL)  # pod 0: the store, its supervisor and its worker
     assert _wait([pod1], tmp_path, timeout=120) == [exitcodes.GANG_RESTART], _logs(tmp_path)
     report = exitcodes.read_failure_report(termination.read_text())
