@@ -236,9 +236,10 @@ class Replacer:
             free = kueue_topology.replacement_room(free, survivors, held, labels, action.topology)
         request = placement_request.request_from_spec(spec)
         kept = self.placer.waiting.excluded(job.ref.uid)  # the reservation's nodes: a last resort
-        if kept:
+        if kept:  # the own node too: a deleted pod's node goes to the longest waiter first
+            back = {i: node for i, node in returning.items() if node not in kept}
             away = choice.replace(
-                request, on, fresh, every, reservation.outside(free, kept), spares, returning
+                request, on, fresh, every, reservation.outside(free, kept), spares, back
             )
             if not isinstance(away, placement.Unschedulable):
                 return away
