@@ -316,7 +316,8 @@ class Replacer:
 def _vacating(
     pods: list[dict[str, Any]], action: job_actions.ReplacePods, back: Mapping[int, str | None]
 ) -> dict[int, dict[str, Any]]:
-    """Index -> the lost pod of ``action``'s gang attempt that a deletion, not its node, ended
+    """Index -> the lost pod of ``action``'s gang attempt (``back`` holds lost indices only)
+    that a deletion, not its node, ended
     (deleting, no ``DisruptionTarget``, its node not in ``action.avoid``) and that still holds its
     node's resources, for the indices of ``back`` whose replacement may go back to that node
     (``back[i]``: the node recorded for it; None: any, being chosen now).  Its replacement is
@@ -330,8 +331,7 @@ def _vacating(
         node = state.node
         ended_by_deletion = state.deleting and not pod_failure.disrupted(state)
         if (
-            state.index in action.indices
-            and node is not None
+            node is not None
             and node not in action.avoid
             and back[state.index] in (None, node)
             and ended_by_deletion

@@ -207,16 +207,15 @@ class Session:
     """Rank 0's goodput account, the same in every generation of this process (None elsewhere)."""
     record: recoveries.Recovery | None = None
     """Rank 0: this generation's recovery record, once restored (firstStepAt still unset)."""
-    in_place: bool = True
-    """In-place recovery is on (:attr:`Settings.in_place`)."""
-    in_place_limit: int = 0
-    """:attr:`Settings.in_place_limit`."""
+    settings: Settings = Settings(0, 0.0, in_place=False)
+    """The supervisor's recovery settings (:meth:`Settings.from_env`)."""
 
     def waits_for_peers(self) -> bool:
         """Whether a rank whose pod got no stop signal waits in place for another pod's
         replacement: in-place recovery on and a recovery left in the budget (else it leaves
         with the gang, 143, rather than start a round that would halt it with 75)."""
-        return self.in_place and rendezvous.recoveries_left(self.store, self.in_place_limit) > 0
+        limit = self.settings.in_place_limit
+        return self.settings.in_place and rendezvous.recoveries_left(self.store, limit) > 0
 
     def interrupted(self) -> bool:
         """Whether this generation is over (the watcher fired or the store moved on)."""
@@ -402,7 +401,7 @@ def _generations(
         watcher.start()
         session = Session(
             generation, store, rank, watcher, log_dir, history, previous, tracker=tracker,
-            in_place=settings.in_place, in_place_limit=settings.in_place_limit,
+            settings=settings,
         )  # fmt: skip
         try:
             return body(session)

@@ -283,8 +283,7 @@ def start_round(
     if store.compare_set(GENERATION, raw.decode("ascii", "replace"), claim) != claim.encode():
         return False
     now = time.time()
-    last = _float(store, IN_PLACE_AT)
-    if last is not None and now - last >= api_run_policy.STEADY_RUNNING_SECONDS:
+    if _quiet(store, now):
         store.set(IN_PLACE, "0")  # a quiet gang: its budget starts again
     store.set(IN_PLACE_AT, repr(now))
     store.set(f"rdzv/r{nxt}/detectedAt", repr(time.time()))
@@ -294,12 +293,16 @@ def start_round(
     return True
 
 
+def _quiet(store: c10d.Store, now: float) -> bool:
+    """Whether the gang ran without an in-place recovery long enough for its budget to restart."""
+    last = _float(store, IN_PLACE_AT)
+    return last is not None and now - last >= api_run_policy.STEADY_RUNNING_SECONDS
+
+
 def recoveries_left(store: c10d.Store, limit: int) -> int:
     """In-place recoveries the gang may still start before :func:`start_round` halts it."""
-    last = _float(store, IN_PLACE_AT)
-    if last is not None and time.time() - last >= api_run_policy.STEADY_RUNNING_SECONDS:
-        return limit  # a quiet gang: the next round starts its budget again
-    return max(limit - _int(store, IN_PLACE, 0), 0)
+    used = 0 if _quiet(store, time.time()) else _int(store, IN_PLACE, 0)
+    return max(limit - used, 0)
 
 
 def leave(
