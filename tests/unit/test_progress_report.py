@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -126,6 +127,24 @@ def test_a_body_that_is_no_json_object_is_refused_whole(body, why):
     reading = progress_report.parse(body)
     assert reading.document is None
     assert len(reading.notes) == 1 and why in reading.notes[0]
+
+
+def test_deep_nesting_is_refused_whatever_the_recursion_limit():
+    """torch's compiler raises the interpreter's recursion limit in the operator's process's
+    neighbours (the test suite's): the parser's RecursionError cannot be the bound."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(100_000)
+    try:
+        reading = progress_report.parse(b"[" * 2000 + b"]" * 2000)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert reading.document is None and "nested too deep" in reading.notes[0]
+
+
+def test_brackets_and_escaped_quotes_inside_strings_are_not_nesting():
+    body = json.dumps({"step": 3, "note": '"' + "[{" * 20 + '\\"'}).encode()
+    reading = progress_report.parse(body)
+    assert reading.document is not None and reading.document["step"] == 3, reading.notes
 
 
 def test_nulls_the_trainer_sends_before_its_first_step_are_kept():

@@ -22,6 +22,8 @@ from typing import Any
 BODY_LIMIT = 4096
 """Most bytes of one document: the trainer's largest is under 2.2 KiB (docs/operator.md, "Progress")."""
 
+MAX_NESTING = 8
+"""Arrays and objects inside one another a document may open (the trainer's go 3 deep)."""
 MAX_INTEGER = 2**53 - 1
 """Largest integer a field may hold: JSON's exact range, well inside the status' int64."""
 
@@ -272,9 +274,12 @@ def parse(body: bytes) -> Reading:
     if len(body) > BODY_LIMIT:
         return Reading(None, (f"the document has more than {BODY_LIMIT} bytes",))
     try:
-        raw = json.loads(
-            body.decode("utf-8"), object_pairs_hook=_unique, parse_constant=_no_constant
-        )
+        text = body.decode("utf-8")
+        if _nesting_exceeds(text, MAX_NESTING):
+            return Reading(
+                None, (f"not a progress document: nested too deep (over {MAX_NESTING})",)
+            )
+        raw = json.loads(text, object_pairs_hook=_unique, parse_constant=_no_constant)
     except _Refused as err:
         return Reading(None, (f"not a progress document: {err}",))
     except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -284,6 +289,32 @@ def parse(body: bytes) -> Reading:
             None, (f"not a progress document: a JSON {type(raw).__name__}, not an object",)
         )
     return _checked(raw)
+
+
+def _nesting_exceeds(text: str, limit: int) -> bool:
+    """Whether JSON ``text`` opens more than ``limit`` arrays or objects inside one another.
+
+    Checked before parsing: the parser's own guard is the interpreter's recursion limit, which
+    other libraries in the process raise (torch's compiler does), so it cannot be the bound.
+    """
+    depth, in_string, escaped = 0, False, False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif char in "]}":
+            depth -= 1
+    return False
 
 
 def _checked(raw: Mapping[str, Any]) -> Reading:
