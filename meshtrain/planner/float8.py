@@ -1,14 +1,13 @@
-"""fp8 linears (``training.float8``) in the planner: the FLOP rate of a step and the bytes torchao keeps.
+"""fp8 linears (``training.float8``) in the planner: the blocks' share of a step and the bytes torchao keeps.
 
 Rate: compiled (``training.compile``), torchao's float8 linears run the blocks' linear matmuls at
 the device's float8 dense peak (``fp8_peak_flops``: twice bf16's on H100, H200 and L40S) times the
 achievable fraction and :data:`LINEAR_EFFICIENCY`; the attention core, the head and the rest stay
-at bf16's rate.  A rank's FLOP/s is the blend of the two over the model's FLOPs per token.  Eager,
-the casts run as separate unfused kernels and torchao's float8 is slower than bf16 (pytorch/ao#685;
-TorchTitan requires compile for it): no measured factor exists, so the plan prices bf16's rate
-(an upper bound) and warns.  Memory: torchao saves the linear's bf16 input (as
+at bf16's rate (:func:`blend`; :mod:`meshtrain.planner.device_rate` puts the rates together, and
+prices eager float8, slower than bf16).  Memory: torchao saves the linear's bf16 input (as
 autocast's matmul does) and the fp32 weight Parameter itself, so the blocks keep no bf16 copies of
-their weights; the float8 casts (weight, input, grad_output) live only around each matmul.  docs/planner.md states both.
+their weights; the float8 casts (weight, input, grad_output) live only around each matmul.
+docs/planner.md states both.
 """
 
 from __future__ import annotations
@@ -25,9 +24,9 @@ LINEAR_EFFICIENCY = 0.72
 """Share of the float8 peak (over the profile's achievable fraction) the converted linears realise:
 the casts (amax, scale, cast: memory-bound kernels beside every matmul) take the rest.  Fitted to TorchTitan's
 1.28x (:data:`TORCHTITAN_LLAMA3_8B`): with 72% of llama3-8b's FLOPs in the blocks' linears, that
-speedup needs the linears 1.43x faster, 0.72 of the 2x peak ratio.  A fitted assumption: one
-end-to-end figure (8 H100, FSDP, compiled, tensorwise), applied to every recipe, shape and device
-until a lent GPU measures it (``benchmarks/gpu_check.sh --suite issue35``)."""
+speedup needs the linears 1.43x faster, 0.72 of the 2x peak ratio.  One end-to-end figure (8 H100,
+FSDP, compiled, tensorwise), applied to every recipe, shape and device; on the lent H200 it
+predicted 1.27x where the trainer measured 1.245x (``benchmarks/results/issue35-h200/``)."""
 
 CAST_BYTES = 1
 """Bytes of a float8 element (e4m3 or e5m2)."""
@@ -46,17 +45,12 @@ def total_flops_per_token(shape: api_model.ModelShape) -> float:
     return linear_flops_per_token(shape) + head + attention
 
 
-def rank_flops(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> float:
-    """A rank's achievable FLOP/s: bf16's, or with ``training.float8`` compiled on a device with
-    float8 the blend of the linears' float8 rate and bf16's for the rest (eager: bf16's)."""
-    bf16 = profile.achievable_flops
-    if job.training.float8 is None or profile.fp8_peak_flops <= 0 or not job.training.compile:
-        return bf16
-    fp8 = max(bf16, profile.fp8_peak_flops * profile.achievable_fraction * LINEAR_EFFICIENCY)
+def blend(job: api_spec.TrainingJobSpec, *, linears: float, rest: float) -> float:
+    """A rank's FLOP/s when the blocks' linears run at ``linears`` and the rest of the step
+    (attention, the head) at ``rest``: the harmonic blend over the step's FLOPs per token."""
     shape = job.model.shape()
-    total, linear = total_flops_per_token(shape), linear_flops_per_token(shape)
-    share = min(1.0, linear / total)
-    return 1.0 / (share / fp8 + (1.0 - share) / bf16)
+    share = min(1.0, linear_flops_per_token(shape) / total_flops_per_token(shape))
+    return 1.0 / (share / linears + (1.0 - share) / rest)
 
 
 def profile_problem(job: api_spec.TrainingJobSpec, profile: profiles.Profile) -> str | None:
@@ -71,7 +65,7 @@ def profile_problem(job: api_spec.TrainingJobSpec, profile: profiles.Profile) ->
     if not job.training.compile:
         return (
             "training.float8 with training.compile false: eager float8 linears run their casts "
-            "unfused and are slower than bf16; planned at bf16's rate (at best); set "
+            "unfused and are slower than bf16 (1.56x the step on the lent H200); set "
             "training.compile: true for fp8's speedup"
         )
     return None

@@ -252,15 +252,15 @@ def test_the_planners_step_for_torchtitans_llama3_8b_run_is_its_published_fp8_ga
     assert fp8.peak_flops == bf16.peak_flops == profiles.get("h100-sxm").peak_flops
 
 
-def test_eager_fp8_is_planned_at_bf16s_rate_and_warned() -> None:
+def test_eager_fp8_is_planned_slower_than_bf16_and_warned() -> None:
     """torchao's float8 linears without compile run their casts unfused and are slower than bf16
-    (pytorch/ao#685): the plan gives them no speedup and says to compile."""
+    (pytorch/ao#685; 1.56x the step on the lent H200, ``test_planner_vs_h200``): the plan
+    prices them below bf16 and says to compile."""
     base = JobBuilder().model(preset="llama3-8b").layout(data=8, gpus_per_node=8)
     bf16 = plan(base.clone().training(compile=False), "h100-sxm")
     eager = plan(base.clone().training(compile=False, float8={}), "h100-sxm")
     compiled = plan(base.clone().training(compile=True, float8={}), "h100-sxm")
-    assert eager.time.rank_flops == bf16.time.rank_flops
-    assert compiled.time.rank_flops > eager.time.rank_flops
+    assert eager.time.rank_flops < bf16.time.rank_flops < compiled.time.rank_flops
     [warning] = [w for w in eager.warnings if "float8" in w]
     assert "training.compile" in warning and "bf16" in warning
     assert not any("float8" in w for w in compiled.warnings)
@@ -270,7 +270,8 @@ def test_a_device_without_float8_is_warned_and_planned_at_bf16() -> None:
     job = JobBuilder().model(preset="llama3.2-1b").training(float8={}, compile=True)
     on_a100 = plan(job, "a100-80g")
     assert any("no float8 tensor cores" in w for w in on_a100.warnings)
-    assert on_a100.time.rank_flops == profiles.get("a100-80g").achievable_flops
+    without = JobBuilder().model(preset="llama3.2-1b").training(compile=True)
+    assert on_a100.time.rank_flops == plan(without, "a100-80g").time.rank_flops
     assert not any("float8" in w for w in plan(job, "h200").warnings)
 
 

@@ -48,6 +48,21 @@ def test_a_meta_model_materialized_equals_the_eager_one():
     assert torch.equal(gpt.dense_value(lazy, "head.weight", lazy.head.weight), eager.head.weight)
 
 
+def test_materialising_on_several_threads_gives_the_values_drawn_one_at_a_time():
+    """Each parameter's own generator makes the values independent of the threads' order."""
+    with torch.device("meta"):
+        lazy = gpt.GPT(CONFIG, seed=7)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        gpt.materialize(lazy)
+    finally:
+        torch.set_num_threads(threads)
+    for name, param in lazy.named_parameters():
+        drawn = gpt.initial_value(CONFIG, 7, gpt.logical_name(CONFIG, name), param.shape)
+        assert torch.equal(param, drawn), name
+
+
 def test_initial_values_follow_the_gpt2_recipe():
     model = gpt.GPT(CONFIG, seed=0)
     residual = model.blocks["0"].attn.proj.weight

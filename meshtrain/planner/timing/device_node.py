@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from meshtrain.planner import comm, float8
+from meshtrain.planner import comm, device_rate
 from meshtrain.planner.timing import machine, network, pipeline_window, stage_work
 
 
@@ -32,8 +32,8 @@ class DeviceNode(machine.JobOnMachine):
 
     @property
     def rank_flops(self) -> float:
-        """The device's achievable FLOP/s (with ``training.float8``, blended with its float8 rate)."""
-        return float8.rank_flops(self.job, self.profile)
+        """The device's achievable FLOP/s for the job's step (compile, float8: :mod:`~meshtrain.planner.device_rate`)."""
+        return device_rate.rank_flops(self.job, self.profile)
 
     def on_path(
         self, stage: stage_work.StageTime, stage_comm: comm.StageComm
