@@ -201,8 +201,8 @@ check_issue35() {
   llama fp8-compile 100 --float8 tensorwise
   device_tests test_on_device_issue35 160 150 test-on-device-issue35-fp8-loss -m slow
   device_tests test_on_device_issue35 60 50 test-on-device-issue35 -m "not slow"
-  llama bf16-eager 75 --no-compile
-  llama fp8-eager 75 --float8 tensorwise --no-compile
+  llama bf16-eager 105 --no-compile
+  llama fp8-eager 105 --float8 tensorwise --no-compile
   if [ "$mode" = dry-run ]; then
     echo "DRY-RUN: python3 -m benchmarks.gpu_check_issue35 summary $results"
   else

@@ -65,7 +65,8 @@ def profile_problem(job: api_spec.TrainingJobSpec, profile: profiles.Profile) ->
     if not job.training.compile:
         return (
             "training.float8 with training.compile false: eager float8 linears run their casts "
-            "unfused and are slower than bf16 (1.56x the step on the lent H200); set "
+            "unfused and are slower than bf16 (1.56x bf16's step in the one run measured, an "
+            "8B on an H200; planned from that run); set "
             "training.compile: true for fp8's speedup"
         )
     return None

@@ -85,7 +85,8 @@ class Profile:
     peak_flops: float
     """Peak dense FLOP/s per device in the training precision (bf16 on GPUs, fp32 on CPU)."""
     achievable_fraction: float
-    """Share of ``peak_flops`` a dense transformer step reaches (model FLOPs utilisation)."""
+    """Share of ``peak_flops`` an eager dense transformer step reaches (model FLOPs utilisation);
+    compiled, a datasheet GPU profile's step runs faster (:mod:`.device_rate`)."""
     memory_bytes: float
     """Device memory per GPU (or per CPU worker) in bytes: ``nvidia-smi``'s ``memory.total`` on the
     built-in GPU profiles, CUDA's total (a little less) on calibrated ones."""

@@ -23,7 +23,9 @@ BODY_LIMIT = 4096
 """Most bytes of one document: the trainer's largest is under 2.2 KiB (docs/operator.md, "Progress")."""
 
 MAX_NESTING = 8
-"""Arrays and objects inside one another a document may open (the trainer's go 3 deep)."""
+"""Arrays and objects inside one another a document may open (the trainer's go 4 deep:
+``{"recovery": [{"ranks": [...]}]}``)."""
+
 MAX_INTEGER = 2**53 - 1
 """Largest integer a field may hold: JSON's exact range, well inside the status' int64."""
 

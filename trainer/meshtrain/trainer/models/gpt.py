@@ -528,9 +528,10 @@ def materialize(model: GPT) -> None:
 
     A parameter shared by two modules (tied embeddings) stays shared.  Values drawn from the seed
     are drawn on as many threads as torch's intra-op pool has (each parameter has its own
-    generator, so the values do not depend on the order): CPU ``normal_`` is serial, and one
-    thread took about 50 s for an 8B model's blocks on the lent H200's host.  A Hugging Face
-    directory is read one tensor at a time.
+    generator, so the values do not depend on the order): CPU ``normal_`` is serial, and on one
+    thread the lent H200's eager 8B runs spent their 45 s limit inside it
+    (``benchmarks/results/issue35-h200/gpu-check-log.txt``).  A Hugging Face directory is read
+    one tensor at a time.  The workers see no thread-local torch mode (the values are CPU tensors).
     """
     slots: dict[int, list[tuple[nn.Module, str]]] = {}
     names: dict[int, tuple[str, torch.Tensor]] = {}
@@ -544,8 +545,11 @@ def materialize(model: GPT) -> None:
         return nn.Parameter(dense_value(model, name, param), requires_grad=param.requires_grad)
 
     workers = 1 if model.initial_weights is not None else max(1, torch.get_num_threads())
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        values = dict(zip(names, pool.map(lambda item: made(*item), names.values())))
+    if workers == 1:
+        values = {identity: made(*item) for identity, item in names.items()}
+    else:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            values = dict(zip(names, pool.map(lambda item: made(*item), names.values())))
     for identity, places in slots.items():
         for module, key in places:
             setattr(module, key, values[identity])
