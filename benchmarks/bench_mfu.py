@@ -169,9 +169,13 @@ def run_preset(
     job = _spec(preset, args, micro_batch, world, device.type, profiled_steps)
     mesh = mesh_mod.build_mesh(job.parallelism.layout, device)
     own = recording.MemoryRecorder()  # fed CUDA-event seconds by the engine's DeferredRecorder
+    started = time.perf_counter()
     trainer = engine.Engine(job, mesh, recorder=own)
+    build_seconds = time.perf_counter() - started
+    started = time.perf_counter()
     for _ in range(WARMUP):
         trainer.train_step()
+    warmup_seconds = time.perf_counter() - started
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     events = _StepEvents(device)
@@ -200,6 +204,9 @@ def run_preset(
         "layers": config.layers,
         "tokens_per_step": results[0].tokens,
         "timed_steps": args.steps,
+        # the weights drawn and moved, the model parallelised (a device run's time budget)
+        "build_seconds": build_seconds,
+        "warmup_seconds": warmup_seconds,  # compile's, where compiled
         "wall_seconds": wall,
         "median_step_seconds": statistics.median(gpu_steps),
         "tokens_per_second": tokens_per_second,
@@ -435,6 +442,7 @@ def _print_row(row: dict[str, Any]) -> None:
         f"{memory:>8} {_compiled_label(row):>8}"
     )
     print(f"    MFU counting the causal half of attention: {row['mfu_causal']:.1%}")
+    print(f"    built in {row['build_seconds']:.1f} s, warm-up steps {row['warmup_seconds']:.1f} s")
     _print_memory(row["memory"])
     _print_profile(row)
 
