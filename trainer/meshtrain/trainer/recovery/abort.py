@@ -15,7 +15,9 @@ NCCL communicators abort through torch's ``_abort_process_group``, which torch 2
 communicators (or the process) down on its own.  The gloo sockets go first, then NCCL, in a thread
 with a deadline: a communicator that does not abort in time ends the process
 (:data:`ABORT_STUCK`) and the supervisor replaces it.  One lock (:data:`GROUPS`) orders group
-creation, destruction and the abort.  The NCCL path is unmeasured (no GPU in CI).
+creation, destruction and the abort.  The NCCL path is unmeasured with a peer lost (no GPU in
+CI; a lent machine has one GPU, and NCCL refuses two ranks on it); one rank's abort and regroup
+over NCCL is ``tests/trainer/test_on_device.py``'s, which ``benchmarks/gpu_check.sh`` runs.
 """
 
 from __future__ import annotations
