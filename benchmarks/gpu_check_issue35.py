@@ -79,7 +79,7 @@ def torchao_wheel(directory: Path, torch_version: str) -> Path | None:
     return max(fitting)[1] if fitting else None
 
 
-def _rows(results: Path) -> dict[str, dict[str, Any]]:
+def measured_rows(results: Path) -> dict[str, dict[str, Any]]:
     """The one row of each llama run that wrote its results file."""
     rows = {}
     for name in RUNS:
@@ -109,7 +109,7 @@ def _tests(results: Path) -> dict[str, str]:
 
 def summary(results: Path) -> Path:
     """Write the run's figures beside TorchTitan's and the targets; returns the file."""
-    rows = _rows(results)
+    rows = measured_rows(results)
     machine = next(iter(rows.values()))["machine"] if rows else {}
     device = machine.get("gpu") or f"CPU rehearsal ({machine.get('cpu_model')})"
     runs: dict[str, Any] = {}
@@ -129,7 +129,7 @@ def summary(results: Path) -> Path:
             ].get(RUNS[name]),
         }
     ratio = _ratio(rows, "tokens_per_second")
-    predicted = _predictions(rows, machine.get("gpu"))
+    predicted = planner_predictions(rows, machine.get("gpu"))
     out = {
         "device": device,
         "torch": machine.get("torch"),
@@ -158,7 +158,7 @@ def _ratio(rows: dict[str, dict[str, Any]], key: str) -> float | None:
     return float(rows["fp8-compile"][key]) / float(rows["bf16-compile"][key])
 
 
-def _predictions(rows: dict[str, dict[str, Any]], gpu: str | None) -> dict[str, Any]:
+def planner_predictions(rows: dict[str, dict[str, Any]], gpu: str | None) -> dict[str, Any]:
     """The planner's step time, tokens/s and fp8/bf16 ratio of each run beside the measured ones."""
     from benchmarks import bench_mfu  # noqa: PLC0415 - torch and the trainer, only for the summary
     from meshtrain.planner import estimate, mfu, profiles  # noqa: PLC0415

@@ -245,8 +245,7 @@ for generation in range(rounds):
             rank=0, world_size=1, timeout=datetime.timedelta(seconds=30),
         )
     value = torch.full((4,), float(generation + 1), device=device)
-    dist.all_reduce(value)
-    torch.cuda.synchronize() if kind == "cuda" else None
+    dist.all_reduce(value)  # tolist() below waits for it
     print("generation", generation, dist.get_backend(), value.tolist(), flush=True)
     abort.abort_groups(sockets, backend, leave=left.append)
     generations._teardown(sockets)

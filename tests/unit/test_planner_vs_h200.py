@@ -17,7 +17,7 @@ import pytest
 
 from benchmarks import gpu_check_issue35
 from meshtrain.planner import device_rate, estimate, profiles
-from tests.unit.test_profiles_vs_gpu_runs import H200_RUNS, _bench_job
+from tests.unit.test_profiles_vs_gpu_runs import H200_RUNS, bench_job
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 ISSUE35 = RESULTS / "issue35-h200"
@@ -25,10 +25,10 @@ ISSUE35 = RESULTS / "issue35-h200"
 
 @pytest.fixture(scope="module")
 def llama_predictions() -> dict[str, Any]:
-    rows = gpu_check_issue35._rows(ISSUE35)
+    rows = gpu_check_issue35.measured_rows(ISSUE35)
     assert set(rows) == set(gpu_check_issue35.RUNS), f"runs in {ISSUE35}: {sorted(rows)}"
     assert {row["machine"]["gpu"] for row in rows.values()} == {"NVIDIA H200"}
-    return gpu_check_issue35._predictions(rows, "NVIDIA H200")
+    return gpu_check_issue35.planner_predictions(rows, "NVIDIA H200")
 
 
 @pytest.mark.parametrize("run", sorted(gpu_check_issue35.RUNS))
@@ -49,7 +49,7 @@ def test_the_planner_predicts_the_1_3b_steps_the_h200_measured() -> None:
     """GPT 1.3B compiled at micro-batch 2 to 16: within 15% (they span -10% to +6%; the smaller
     presets are not predicted this well, docs/planner.md says why)."""
     rows = [
-        (row, estimate.make_plan(_bench_job(row), profiles.get("h200")).time.step_seconds)
+        (row, estimate.make_plan(bench_job(row), profiles.get("h200")).time.step_seconds)
         for path in H200_RUNS
         for row in json.loads(path.read_text())["results"]["rows"]
         if row["preset"] == "1.3b"
@@ -72,7 +72,7 @@ def test_compile_leaves_cpu_and_calibrated_profiles_alone(profile_name: str) -> 
         else profiles.get("cpu")
     )
     row = json.loads(H200_RUNS[0].read_text())["results"]["rows"][0]
-    compiled = _bench_job(row)
+    compiled = bench_job(row)
     assert compiled.training.compile
     eager = compiled.model_copy(
         update={"training": compiled.training.model_copy(update={"compile": False})}

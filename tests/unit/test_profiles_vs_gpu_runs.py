@@ -30,7 +30,7 @@ def test_the_h200_profile_has_the_memory_the_lent_h200_reported() -> None:
     assert profiles.get("h200").memory_bytes == int(reported[0]) * 2**20
 
 
-def _bench_job(row: dict):
+def bench_job(row: dict):
     """The TrainingJob bench_mfu built for ``row``, through its own argument parser and spec."""
     preset, micro_batch = row["preset"], row["micro_batch"]
     argv = ["--presets", preset, "--micro-batch", f"{preset}={micro_batch}"]
@@ -49,7 +49,7 @@ def test_the_planner_predicts_the_peak_memory_the_h200_measured(path: Path) -> N
     document = json.loads(path.read_text())
     assert document["results"]["device_name"] == "NVIDIA H200"
     for row in document["results"]["rows"]:
-        job = _bench_job(row)
+        job = bench_job(row)
         plan = memory.plan_memory(job, profiles.get("h200"))
         # the job rebuilt today is the one measured then
         assert (plan.total_params, job.model.shape().seq_len) == (row["params"], row["seq_len"])
