@@ -10,7 +10,8 @@ Topology of the fleet's labels (block, rack, NVLink domain, host) and creates ea
 batch Job :mod:`.kueue_tas` makes of it, at the same arrival times.  Both sides get the same
 constraints (:func:`.kueue_tas.constraints`): a stage required in a domain is Kueue's PodSet slice
 and meshtrain's ``scope: stage`` level there (``--all-preferred``: meshtrain's levels all
-preferred, as in the runs before that field).  Each phase runs for the
+preferred, as in the runs before that field; ``--wait-seconds``: meshtrain's preferred levels hold
+each job that long for one domain, ``spec.topology.levels[].waitSeconds``).  Each phase runs for the
 trace's minutes plus a drain.  Per job: bytes per step by fabric level on the nodes its pods were
 bound to (:mod:`.compare`, the placement's cost model), time to start; per phase: utilisation.
 
@@ -20,7 +21,7 @@ side, without the restart): the Kueue side never pays a re-placement.
 
     python -m benchmarks.fleet.headtohead [--nodes 256] [--nodes-per-rack 8]
         [--racks-per-block 4] [--nodes-per-clique 4] [--minutes 8] [--drain-minutes 2]
-        [--compression 60] [--load 1.1] [--seed 36] [--all-preferred]
+        [--compression 60] [--load 1.1] [--seed 36] [--all-preferred] [--wait-seconds 0]
 
 Needs the full bootstrap's ``kwok`` and Kueue (``make bootstrap``); ``make bench-headtohead`` runs
 it, never CI.  Writes ``benchmarks/results/headtohead-<host>.json``.
@@ -167,6 +168,15 @@ def same_levels(jobs: list[trace.Job], shape: kwok.Shape) -> dict[str, list[dict
     return found
 
 
+def waiting_levels(levels: list[dict[str, Any]], seconds: int) -> list[dict[str, Any]]:
+    """``levels`` with every preferred one holding the job ``seconds`` for one of its domains
+    (``spec.topology.levels[].waitSeconds``); required levels are left as they are."""
+    return [
+        level if level.get("mode") == "required" else {**level, "waitSeconds": seconds}
+        for level in levels
+    ]
+
+
 def _meshtrain(api: kubernetes.client.ApiClient, plane: Any, jobs: list[trace.Job], shape: kwok.Shape, seconds: float, workdir: pathlib.Path, levels: Mapping[str, list[dict[str, str]]]) -> dict[str, Any]:  # fmt: skip
     """Phase 1: the operator places the trace's TrainingJobs (``levels``: a job's
     ``spec.topology.levels`` where not all preferred); then every job and pod is removed."""
@@ -290,6 +300,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "meshtrain_constraints": "all preferred"
             if args.all_preferred
             else "the same as Kueue's",
+            "meshtrain_wait_seconds": args.wait_seconds,
         },  # fmt: skip
         "fleet": {
             "nodes": shape.nodes,
@@ -318,6 +329,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         asyncio.run(kwok.create_nodes(plane.kubeconfig_path, shape))
         print(f"meshtrain: {len(jobs)} jobs over {args.minutes} min + {args.drain_minutes} min drain", flush=True)  # fmt: skip
         levels = {} if args.all_preferred else same_levels(jobs, shape)
+        if args.wait_seconds:
+            levels = {
+                job.name: waiting_levels(levels.get(job.name) or job.spec()["topology"]["levels"], args.wait_seconds)
+                for job in jobs
+            }  # fmt: skip
         phases = {"meshtrain": _meshtrain(api, plane, jobs, shape, seconds, workdir, levels)}
         _clear(api)
         print("kueue TAS: the same jobs", flush=True)
@@ -404,6 +420,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="meshtrain's jobs declare every level preferred (the runs before spec.topology's scope), "
         "not the constraints Kueue's side gets",
+    )
+    parser.add_argument(
+        "--wait-seconds",
+        type=int,
+        default=0,
+        help="meshtrain's preferred levels hold each job this long for one of their domains "
+        "(spec.topology.levels[].waitSeconds; wall seconds, the trace's --compression times that "
+        "in cluster time); Kueue's side has no such setting",
     )
     parser.add_argument(
         "--name", default="headtohead", help="results file name (<name>-<host>.json)"

@@ -23,20 +23,28 @@ def nvlink_domain_label(job: api_spec.TrainingJobSpec) -> str | None:
     return label
 
 
-def request_from_spec(job: api_spec.TrainingJobSpec) -> values.PlacementRequest:
+def request_from_spec(
+    job: api_spec.TrainingJobSpec, held: frozenset[str] = frozenset()
+) -> values.PlacementRequest:
     """The placement request of a (validated) TrainingJob spec.
 
     Placement happens on a GPU cluster, so ``precision: auto`` is priced as bf16
     autocast (fp32 master weights and gradients, fp32 residual stream between
     stages), which is how the trainer runs there.  A ``spec.topology.levels`` entry naming the
-    NVLink-domain label is no fabric level: it says what the NVLink domain requires.
+    NVLink-domain label is no fabric level: it says what the NVLink domain requires.  ``held``:
+    labels of preferred levels whose ``waitSeconds`` still runs (``topology_hold``), required of
+    the whole job for this plan.
     """
     trained_in = "fp32" if job.training.precision == "fp32" else "bf16"
     scheme = precision.scheme_for(trained_in)
     dp_bytes, pp_bytes = comm.placement_traffic(job, scheme)
     domain = nvlink_domain_label(job)
     levels = [
-        values.FabricLevel(label=level.label, required=level.mode == "required", scope=level.scope)
+        values.FabricLevel(
+            label=level.label,
+            required=level.mode == "required" or level.label in held,
+            scope=level.scope,
+        )
         for level in job.topology.levels
     ]
     return values.PlacementRequest(

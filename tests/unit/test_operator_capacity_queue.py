@@ -583,3 +583,28 @@ def test_a_job_whose_plan_left_out_nodes_for_a_while_is_planned_at_a_resync_with
     assert queue.unchanged(ref, 1) is False
     queue.enter(*fits)  # planned again without exclusions: back to the capacity rule
     assert queue.unchanged(ref, 1) is True
+
+
+def test_a_job_a_preferred_level_holds_is_planned_once_more_when_its_hold_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``waitSeconds``: while the hold runs, no change means no plan (the reconciler's requeue
+    comes when it ends); then a pass plans it, across domains if need be, with no change."""
+    _, queue, _ = _three_free_nodes(monkeypatch)
+    ticks = [1000.0]
+    monkeypatch.setattr(waiting.time, "monotonic", lambda: ticks[0])
+    fits = _job("fits", 2)
+    ref = fits[0]
+    queue.planning(ref, 1)
+    queue.enter(*fits, held_for=30.0)
+    assert queue.unchanged(ref, 1) is True
+    assert queue.hold_left(ref.uid) == 30.0
+    ticks[0] += 30.0
+    assert queue.hold_left(ref.uid) is None  # no requeue at once, again and again
+    assert queue.unchanged(ref, 1) is False  # the pass owed now plans it
+    queue.planning(ref, 1)
+    queue.enter(*fits)  # planned without a hold: the capacity rule again
+    assert queue.unchanged(ref, 1) is True
+    queue.enter(*fits, held_for=5.0)
+    queue.leave(ref)
+    assert queue.hold_left(ref.uid) is None

@@ -9,6 +9,9 @@ from pydantic import Field
 
 from meshtrain.api.spec import base, kube_names
 
+MAX_WAIT_SECONDS = 3600
+"""The longest a preferred level may hold a job for one domain (``waitSeconds``)."""
+
 
 class FabricLevel(base.SpecModel):
     """One level of the network fabric, named by a node label."""
@@ -27,6 +30,15 @@ class FabricLevel(base.SpecModel):
         "job",
         description="What a required level keeps in one domain: job, the whole gang; stage, each pipeline "
         "stage's pods (every data, context and tensor rank of one stage), the job spanning domains.",
+    )
+    wait_seconds: int = Field(
+        0,
+        ge=0,
+        le=MAX_WAIT_SECONDS,
+        description="mode preferred only: for up to this many seconds after the job begins to wait for "
+        "placement, place it only inside one domain of this level (as if required); then weigh the "
+        "level per byte again and place it across domains if need be (Slurm's --switches=N@time). "
+        "0: never wait. Not applied where no domain of this level holds the gang even when empty.",
     )
 
 
@@ -54,6 +66,17 @@ def _stage_scope_required(topology: Topology) -> str | None:
                 f"spec.topology.levels[{index}] ({level.label}) has scope stage with mode preferred: a "
                 "preference is weighed per byte whatever its scope, so scope applies to required levels "
                 "only; write mode: required to keep each pipeline stage in one domain of it, or drop scope"
+            )
+    return None
+
+
+def _wait_preferred_only(topology: Topology) -> str | None:
+    for index, level in enumerate(topology.levels):
+        if level.wait_seconds and level.mode != "preferred":
+            return (
+                f"spec.topology.levels[{index}] ({level.label}) sets waitSeconds with mode required: a "
+                "required level waits for one domain as long as it takes; drop waitSeconds, or write "
+                "mode: preferred to wait at most that long and then place across domains"
             )
     return None
 
@@ -89,6 +112,14 @@ RULES: tuple[base.Rule[Topology], ...] = (
         "|| (has(l.mode) && l.mode == 'required'))",
         "topology.levels[].scope stage needs mode required (a preferred level is weighed per byte whatever its scope)",
         _stage_scope_required,
+    ),
+    base.Rule(
+        "wait-preferred-only",
+        "spec.topology.levels",
+        "!has(self.topology.levels) || self.topology.levels.all(l, !has(l.waitSeconds) "
+        "|| l.waitSeconds == 0 || !has(l.mode) || l.mode == 'preferred')",
+        "topology.levels[].waitSeconds applies to mode preferred only (a required level waits as long as it takes)",
+        _wait_preferred_only,
     ),
 )
 """Rules on the topology section alone."""

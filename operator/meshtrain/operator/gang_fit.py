@@ -126,6 +126,7 @@ class GangFit:
         cap: int | None = None,
         topology: kueue_topology.Assignment | None = None,
         usage: Mapping[str, feasibility.Usage] | None = None,
+        held: frozenset[str] = frozenset(),
     ) -> placement_outcome.Sized:
         """The plan at the size ``placement_outcome.choose`` picks among those runPolicy.elastic allows
         (none above ``cap``), planned largest first until one fits, in the planning worker.
@@ -133,7 +134,8 @@ class GangFit:
         Raises ``planning.DeadlineExceeded`` when that takes longer than the worker's deadline, and
         ``planning.WorkerFailed`` when the worker dies.  ``topology``: Kueue TAS's assignment, the
         only nodes (and pods per domain) the plan may use; ``usage``: what the pods on each node
-        take (None: the cache's, the job's own replaced pods left out).
+        take (None: the cache's, the job's own replaced pods left out); ``held``: preferred
+        levels required of the whole gang for this plan (``topology_hold``).
         """
         assert job.spec is not None
         declared = job.declared or job.spec
@@ -153,6 +155,7 @@ class GangFit:
             cap=cap,
             choice=self._admissions.choice(declared, nodes),
             offered=tuple(offered),
+            held=held,
         )
         sized = await self.worker.plan(ask)
         return dataclasses.replace(sized, refusals=refusals if sized.answer is not None else [])

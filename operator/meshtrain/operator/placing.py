@@ -63,6 +63,7 @@ from meshtrain.operator.policy import (
     reservation,
     resizing,
     retries,
+    topology_hold,
     torchrun_tier,
     volumes,
 )
@@ -598,6 +599,9 @@ class Placer:
         now = clock.now()
         gpu = job.spec.resources.gpu_resource_name
         raw_nodes, nodes, avoid = self.fit.candidates(job, gpu, now)
+        # Kueue TAS's assignment decides the domains itself; else preferred levels may hold it
+        hold = topology_hold.of_job(job, nodes, now) if topology is None else None
+        held = frozenset() if hold is None else hold.labels
         raw_nodes, nodes = reserving.outside(self.waiting, ref.uid, raw_nodes, nodes)
         demand = feasibility.demand_of(template)
         cap = resizing.largest_allowed(job.declared or job.spec, job.status, now)
@@ -605,7 +609,9 @@ class Placer:
             metrics.REPLANS.labels(namespace=ref.namespace).inc()
             self.replans.planned((ref.namespace, ref.name))
         try:
-            sized = await self.fit.plan_sizes(job, raw_nodes, nodes, demand, cap, topology)
+            sized = await self.fit.plan_sizes(
+                job, raw_nodes, nodes, demand, cap, topology, held=held
+            )
         except planning.DeadlineExceeded as exceeded:
             return await self._planning_refused(body, job, exceeded), None
         except planning.WorkerFailed as failed:
@@ -614,7 +620,13 @@ class Placer:
             said = f"{ref.namespace}/{ref.name} not planned: {failed}"
             return await self._write_unplaced(body, job, unplaced, said), None
         outcome = placement_outcome.judge(
-            job, sized, avoid=avoid, claim=claim, nodes_seen=len(raw_nodes), now=now
+            job,
+            sized,
+            avoid=avoid,
+            claim=claim,
+            nodes_seen=len(raw_nodes),
+            now=now,
+            held="" if hold is None else hold.note,
         )
         job = dataclasses.replace(job, spec=sized.spec)
         if isinstance(outcome, placement_outcome.WontFit):
@@ -628,7 +640,8 @@ class Placer:
             outcome = reserving.unplaced(self.waiting, job, demand, outcome)
             since = reservation.since_of(job.status, now)
             declared, beside = job.declared or sized.spec, self._beside_own(job)
-            self.waiting.enter(ref, declared, demand, beside, since, priority, bool(avoid))
+            until = None if hold is None else (hold.until - now).total_seconds()
+            self.waiting.enter(ref, declared, demand, beside, since, priority, bool(avoid), until)
             took = self.fit.worker.last_seconds
             self._next_plan[ref.uid] = time.monotonic() + PLAN_SPACING * took
             if took >= SLOW_PLAN_SECONDS:

@@ -74,6 +74,9 @@ class Queue:
         """UID -> (:attr:`seq`, generation, holder UID) when its last plan started."""
         self._timed: set[str] = set()
         """UIDs whose last plan left out nodes for a time: a resync may plan them with no change."""
+        self._holds: dict[str, float] = {}
+        """UID -> monotonic time its last plan's hold for one domain ends (``topology_hold``): a
+        pass then plans it with no capacity change, across domains if need be."""
         self._verdicts: dict[str, tuple[tuple[int, int, str | None], bool]] = {}
         """UID -> ((:attr:`seq`, generation, holder UID), whether :meth:`unchanged`): the free
         slots are counted once per change, not at every resync."""
@@ -131,6 +134,8 @@ class Queue:
         planned = self._planned.get(ref.uid)
         if planned is None or planned[1] != generation or self.reservation_due(ref.uid):
             return False
+        if self._holds.get(ref.uid, float("inf")) <= time.monotonic():
+            return False  # a preferred level held it until now: plan it without
         holder = self._holder_uid()
         if (planned[0], planned[2]) == (self.seq, holder) and ref.uid not in self._timed:
             return True  # its last plan saw this very capacity: it would place nothing again
@@ -149,13 +154,15 @@ class Queue:
         since: float | None = None,
         priority: int = 0,
         avoided: bool = False,
+        held_for: float | None = None,
     ) -> capacity_queue.Waiting:
         """The job waits (since the first time: a job entered again keeps its place).
 
         ``unknown``: slot counts do not bound its plan (it re-places beside its own pods);
         ``since``: when it began to wait (``reservation.since_of``; None: now), ``priority``: its
         PriorityClass value; ``avoided``: its plan left out nodes for a while (stragglers,
-        scheduler refusals), whose exclusion ends with time, not with a capacity change.
+        scheduler refusals), whose exclusion ends with time, not with a capacity change;
+        ``held_for``: seconds until a preferred level stops holding it for one domain.
         """
         unknown = unknown or bool(self.cache.inventory().devices)  # slices may serve it
         need = need_of(spec, demand, unknown)
@@ -177,6 +184,10 @@ class Queue:
         )
         self._uids[(ref.namespace, ref.name)] = ref.uid
         self.specs[ref.uid] = spec
+        if held_for is None:
+            self._holds.pop(ref.uid, None)
+        else:
+            self._holds[ref.uid] = time.monotonic() + held_for
         if avoided:
             self._timed.add(ref.uid)
         else:
@@ -193,6 +204,7 @@ class Queue:
         self._planned.pop(ref.uid, None)
         self._verdicts.pop(ref.uid, None)
         self._timed.discard(ref.uid)
+        self._holds.pop(ref.uid, None)
         if self._uids.get((ref.namespace, ref.name)) == ref.uid:
             del self._uids[(ref.namespace, ref.name)]
         if self.reservation is not None and self.reservation.holder == ref.uid:
@@ -295,6 +307,12 @@ class Queue:
             held_back, self._held_back = self._held_back, {}
             for key in held_back.values():
                 self.cache.waker.poke(key)
+
+    def hold_left(self, uid: str) -> float | None:
+        """Seconds until a preferred level stops holding waiting job ``uid`` (None: no hold, or it
+        ended: the pass owed then plans it)."""
+        left = self._holds.get(uid, 0.0) - time.monotonic()
+        return left if left > 0 else None
 
     def hold_back(self, ref: identity.JobRef) -> float:
         """Hold job ``ref``'s plan back while :meth:`unsettled`: it is woken when the last job

@@ -303,6 +303,18 @@ INVALID = [
         _rule("stage-scope-required"),
     ),
     (
+        "a wait on a required level",
+        _valid()
+        .topology(levels=[{"label": "example.com/rack", "mode": "required", "waitSeconds": 30}])
+        .manifest(),
+        _rule("wait-preferred-only"),
+    ),
+    (
+        "a wait above an hour",
+        _valid().topology(levels=[{"label": "example.com/rack", "waitSeconds": 3601}]).manifest(),
+        "spec.topology.levels[0].waitSeconds: Invalid value: 3601",
+    ),
+    (
         "a stage-scoped level where stages share pods",
         _valid()
         .layout(data=1, pipeline=2, tensor=2, gpus_per_node=4)

@@ -76,6 +76,8 @@ class Ask:
     """The profile memory admission judges every size by (the same nodes are candidates at each)."""
     offered: tuple[placement.Node, ...]
     """Nodes with room, each offering at most :func:`most_pods` pods (a size takes no more than its own)."""
+    held: frozenset[str] = frozenset()
+    """Labels of preferred levels required of the whole gang for this plan (``topology_hold``)."""
 
 
 def most_pods(declared: api_spec.TrainingJobSpec) -> int:
@@ -111,7 +113,8 @@ def _plan_at(ask: Ask, size: elastic.Size | None, spec: api_spec.TrainingJobSpec
         node if node.allocatable_gpus <= most else dataclasses.replace(node, allocatable_gpus=most)
         for node in ask.offered
     ]
-    answer = placement.plan(placement_request.request_from_spec(spec), offered, [])
+    request = placement_request.request_from_spec(spec, ask.held)
+    answer = placement.plan(request, offered, [])
     return Sized(size, spec, verdict, answer, [])
 
 
@@ -263,11 +266,13 @@ def judge(
     claim: volumes.Topology | None,
     nodes_seen: int,
     now: datetime.datetime,
+    held: str = "",
 ) -> WontFit | Unplaced | Placed:
     """What the plan ``sized`` comes to for ``job`` (as read before the plan).
 
     ``avoid``: nodes left out for this job; ``claim``: where its claim lets pods go;
-    ``nodes_seen``: how many nodes the plan considered.
+    ``nodes_seen``: how many nodes the plan considered; ``held``: what an unplaced gang's
+    message adds while preferred levels hold it (``topology_hold.Hold.note``).
     """
     assert job.spec is not None
     previous = job.spec.parallelism.data if job.status.get("elastic") else None
@@ -280,7 +285,7 @@ def judge(
     assert answer is not None  # only a refused size has no answer
     if isinstance(answer, placement.Unschedulable):
         said = feasibility.summary(sized.refusals, nodes_seen)
-        message = f"{answer.message}{_tried(job, sized, avoid, claim)}; {said}"
+        message = f"{answer.message}{held}{_tried(job, sized, avoid, claim)}; {said}"
         return unplaced(job, answer.reason, message, now, plan)
     declared = job.declared or sized.spec
     fields = placement_status.placed(job, answer.nodes, answer.level_bytes, now, plan)

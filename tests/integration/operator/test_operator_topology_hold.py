@@ -1,0 +1,126 @@
+"""A preferred fabric level with ``waitSeconds`` on a real API server and kube-scheduler: a gang
+that fits now only across racks waits for one rack (Placed=False says until when); a tenant's pod
+leaving that rack places it there; a hold that runs out places it across racks with no capacity
+change (the operator's resync is long: only the hold's own requeue can plan it); and a gang no
+rack could ever hold is placed across racks at once."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import kubernetes
+
+from tests.builders import JobBuilder
+from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_for
+
+RACK = "meshtrain.test/rack"
+BLOCK = "meshtrain.test/block"
+
+
+def _racks(cluster: Cluster, pool: str, sizes: tuple[int, ...]) -> list[list[str]]:
+    """Racks of ``sizes`` 8-GPU nodes in one block; the node names per rack."""
+    return [
+        [
+            cluster.add_node(pool, gpus=8, labels={BLOCK: f"{pool}-b", RACK: f"{pool}-r{rack}"})
+            for _ in range(count)
+        ]
+        for rack, count in enumerate(sizes)
+    ]
+
+
+def _tenant(cluster: Cluster, namespace: str, node: str) -> str:
+    """Another tenant's pod holding all 8 GPUs of ``node`` (bound there; no kubelet runs it)."""
+    name = f"tenant-{uuid.uuid4().hex[:6]}"
+    cluster.core.create_namespaced_pod(
+        namespace,
+        {
+            "metadata": {"name": name},
+            "spec": {
+                "nodeName": node,
+                "containers": [
+                    {
+                        "name": "c",
+                        "image": "tenant",
+                        "resources": {
+                            "requests": {"nvidia.com/gpu": "8"},
+                            "limits": {"nvidia.com/gpu": "8"},
+                        },
+                    }
+                ],
+            },
+        },
+    )
+    return name
+
+
+def _job(name: str, namespace: str, pool: str, wait: int) -> JobBuilder:
+    """Two pods of 8 GPUs; the rack level preferred, held ``wait`` seconds for one rack."""
+    job = JobBuilder(name, namespace, pool).layout(data=16, gpus_per_node=8).gpus(8)
+    return job.topology(levels=[{"label": BLOCK}, {"label": RACK, "waitSeconds": wait}])
+
+
+def _racks_used(cluster: Cluster, namespace: str, job: str) -> set[str]:
+    """The racks of the nodes the gang's recorded placement names (read from the Node objects)."""
+    nodes = {entry["node"] for entry in cluster.status(namespace, job)["placement"]}
+    return {cluster.core.read_node(node).metadata.labels[RACK] for node in nodes}
+
+
+def test_a_held_gang_waits_for_one_rack_and_is_spread_only_once_its_hold_runs_out(
+    control_plane_binaries, tmp_path
+):
+    with Cluster.private(control_plane_binaries) as cluster:
+        operator = OperatorProcess(
+            cluster.kubeconfig, str(tmp_path / "operator.log"), resync_seconds=300
+        )
+        operator.start()
+        try:
+            namespace = f"hold-{uuid.uuid4().hex[:6]}"
+            cluster.core.create_namespace({"metadata": {"name": namespace}})
+            # rack r0: two nodes, one a tenant's; rack r1: one node.  Free: one node per rack.
+            freed, timed, never = (f"p{uuid.uuid4().hex[:6]}" for _ in range(3))
+            tenants = {}
+            for pool in (freed, timed):
+                racks = _racks(cluster, pool, (2, 1))
+                tenants[pool] = _tenant(cluster, namespace, racks[0][0])
+            _racks(cluster, never, (1, 1))  # no rack could ever hold two pods
+
+            applied = time.monotonic()
+            cluster.apply(_job("freed", namespace, freed, wait=600))
+            cluster.apply(_job("timed", namespace, timed, wait=8))
+            cluster.apply(_job("never", namespace, never, wait=600))
+
+            cluster.wait_gang(namespace, "never", 2)  # waiting could not help: at once
+            assert _racks_used(cluster, namespace, "never") == {f"{never}-r0", f"{never}-r1"}
+
+            for name in ("freed", "timed"):
+                held = cluster.wait_reason(namespace, name, "Placed", "TopologyUnsatisfiable")
+                assert RACK in held["message"] and "held inside one domain" in held["message"]
+                assert "waitSeconds" in held["message"], held["message"]
+            assert cluster.pods(namespace, "freed") == [] and cluster.pods(namespace, "timed") == []
+
+            # the tenant leaves rack r0 of "freed": the wake-up places the gang inside it
+            cluster.core.delete_namespaced_pod(
+                tenants[freed],
+                namespace,
+                body=kubernetes.client.V1DeleteOptions(grace_period_seconds=0),
+            )
+            cluster.wait_gang(namespace, "freed", 2)
+            assert _racks_used(cluster, namespace, "freed") == {f"{freed}-r0"}
+
+            # "timed": nothing changes on its nodes; its 8 s hold runs out and it spreads
+            cluster.wait_gang(namespace, "timed", 2, timeout=60)
+            assert time.monotonic() - applied >= 8.0
+            assert _racks_used(cluster, namespace, "timed") == {f"{timed}-r0", f"{timed}-r1"}
+            bound = wait_for(
+                "the spread gang bound by kube-scheduler",
+                lambda: (
+                    nodes
+                    if all(nodes := [p.spec.node_name for p in cluster.pods(namespace, "timed")])
+                    else None
+                ),
+            )
+            recorded = {entry["node"] for entry in cluster.status(namespace, "timed")["placement"]}
+            assert set(bound) == recorded
+        finally:
+            operator.stop()
