@@ -365,6 +365,9 @@ def test_a_holder_whose_count_was_free_yet_did_not_fit_passes_the_reservation_on
     clock[0] = capacity_queue.RESERVE_AFTER_SECONDS + 2
     _reserve(queue, "uid-large", "n1", "n2", "n3")  # free: its plan would find them
     for _ in range(capacity_queue.PASS_ON_AFTER):
+        queue.enter(*large, held_for=10.0)  # held to one domain: says nothing of its nodes
+    assert queue.entries["uid-large"].misses == 0
+    for _ in range(capacity_queue.PASS_ON_AFTER):
         assert queue.holder() == queue.entries["uid-large"]
         queue.enter(*large)  # planned with 3 free slots for its 3 pods: placed nothing
     assert queue.holder() == queue.entries["uid-next"]

@@ -45,37 +45,53 @@ def _at(seconds: float) -> datetime.datetime:
     return T0 + datetime.timedelta(seconds=seconds)
 
 
-def test_a_preferred_level_holds_until_its_wait_runs_out_and_then_not_again():
+def _empty(racks: list[int]) -> list[tuple[dict[str, str], int]]:
+    """(labels, pod slots when empty) of one-pod nodes, ``racks[i]`` of them in rack i."""
+    return [(dict(node.labels), 1) for node in _nodes(racks)]
+
+
+def test_each_preferred_level_holds_until_its_own_wait_runs_out():
     spec = _spec(2, [{"label": BLOCK, "waitSeconds": 120}, {"label": RACK, "waitSeconds": 30}])
-    nodes = _nodes([2, 2])
-    first = topology_hold.hold(spec, T0, _at(0), nodes)
+    first = topology_hold.hold(spec, T0, _at(0), _empty([2, 2]))
     assert first is not None and first.labels == {BLOCK, RACK}
     assert first.until == _at(30)  # the first hold to end: a plan is owed then
-    later = topology_hold.hold(spec, T0, _at(29), nodes)
-    assert later is not None and later.note == first.note  # one message for the whole hold
-    block_only = topology_hold.hold(spec, T0, _at(30), nodes)
+    assert f"levels[0] ({BLOCK}, waitSeconds 120) until 2026-11-30T12:02:00Z" in first.note
+    assert f"levels[1] ({RACK}, waitSeconds 30) until 2026-11-30T12:00:30Z" in first.note
+    later = topology_hold.hold(spec, T0, _at(29), _empty([2, 2]))
+    assert later is not None and later.note == first.note  # the same words for the same hold
+    block_only = topology_hold.hold(spec, T0, _at(30), _empty([2, 2]))
     assert block_only is not None and block_only.labels == {BLOCK}
     assert block_only.until == _at(120)
-    assert topology_hold.hold(spec, T0, _at(120), nodes) is None
-    assert (
-        "spec.topology.levels[0]" in block_only.note and "2026-11-30T12:02:00Z" in block_only.note
-    )
+    assert topology_hold.hold(spec, T0, _at(120), _empty([2, 2])) is None
 
 
-def test_no_hold_where_no_domain_could_ever_hold_the_gang_or_the_level_is_required():
+def test_no_hold_where_no_domain_has_slots_for_the_gang_even_empty():
     waits = [{"label": RACK, "waitSeconds": 60}]
-    assert topology_hold.hold(_spec(3, waits), T0, T0, _nodes([2, 2, 2])) is None  # racks of 2
-    assert topology_hold.hold(_spec(2, waits), T0, T0, _nodes([2, 2])) is not None
-    # nodes the gang may not use do not count toward a domain's size
-    cordoned = [
-        placement.Node(n.name, 8, n.labels, unschedulable=n.name.endswith("n1"))
-        for n in _nodes([2, 2])
-    ]
-    assert topology_hold.hold(_spec(2, waits), T0, T0, cordoned) is None
-    picky = _spec(2, waits, nodeSelector={"pool": "a"})
-    assert topology_hold.hold(picky, T0, T0, _nodes([2, 2])) is None
-    assert topology_hold.hold(picky, T0, T0, _nodes([2, 2], pool="a")) is not None
-    assert topology_hold.hold(_spec(2, [{"label": RACK}]), T0, T0, _nodes([2, 2])) is None
+    assert topology_hold.hold(_spec(3, waits), T0, T0, _empty([2, 2, 2])) is None  # racks of 2
+    assert topology_hold.hold(_spec(2, waits), T0, T0, _empty([2, 2])) is not None
+    # a node that takes none of the gang's pods (tainted, another pool, too small) counts nothing
+    none_here = [(labels, 0 if i % 2 else 1) for i, (labels, _) in enumerate(_empty([2, 2]))]
+    assert topology_hold.hold(_spec(2, waits), T0, T0, none_here) is None
+    unlabelled = [({}, 1)] * 4
+    assert topology_hold.hold(_spec(2, waits), T0, T0, unlabelled) is None
+
+
+def _job(levels: list[dict[str, Any]], labels: dict[str, str] | None = None, **status: Any):
+    body = _builder(2, levels).manifest()
+    body["metadata"] |= {"uid": "u", "generation": 1, "labels": labels or {}}
+    return job_state.read({**body, "status": status})
+
+
+def test_only_a_first_placement_outside_kueue_of_a_fixed_size_may_be_held():
+    waits = [{"label": RACK, "waitSeconds": 60}]
+    assert topology_hold.may_hold(_job(waits), kueue=False)
+    assert not topology_hold.may_hold(_job([{"label": RACK}]), kueue=False)  # no wait asked
+    assert not topology_hold.may_hold(_job(waits), kueue=True)
+    # it ran once: re-placed at once after a failure, a straggler, a spec change or a grow
+    assert not topology_hold.may_hold(_job(waits, startTime="2026-11-30T11:00:00Z"), kueue=False)
+    elastic = _builder(2, waits).run_policy(elastic={"minData": 8, "maxData": 16}).manifest()
+    elastic["metadata"] |= {"uid": "u", "generation": 1}
+    assert not topology_hold.may_hold(job_state.read(elastic), kueue=False)
 
 
 def test_the_wait_counts_from_the_placed_false_transition():
@@ -85,11 +101,12 @@ def test_the_wait_counts_from_the_placed_false_transition():
         "reason": placement.TOPOLOGY_UNSATISFIABLE,
         "lastTransitionTime": "2026-11-30T12:00:00Z",
     }
-    body = _builder(2, [{"label": RACK, "waitSeconds": 60}]).manifest()
-    body["metadata"] |= {"uid": "u", "generation": 1}
-    job = job_state.read({**body, "status": {"conditions": [placed]}})
-    assert topology_hold.of_job(job, _nodes([2, 2]), _at(59)) is not None
-    assert topology_hold.of_job(job, _nodes([2, 2]), _at(60)) is None
+    job = _job([{"label": RACK, "waitSeconds": 60}], conditions=[placed])
+    assert topology_hold.of_job(job, _empty([2, 2]), _at(59)) is not None
+    assert topology_hold.of_job(job, _empty([2, 2]), _at(60)) is None
+    fresh = _job([{"label": RACK, "waitSeconds": 60}])  # no condition yet: it starts now
+    first = topology_hold.of_job(fresh, _empty([2, 2]), _at(0.7))
+    assert first is not None and first.until == _at(60)  # whole seconds, as the condition keeps
 
 
 def test_the_spec_refuses_a_wait_on_a_required_level():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import datetime
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -599,11 +600,10 @@ class Placer:
         now = clock.now()
         gpu = job.spec.resources.gpu_resource_name
         raw_nodes, nodes, avoid = self.fit.candidates(job, gpu, now)
-        # Kueue TAS's assignment decides the domains itself; else preferred levels may hold it
-        hold = topology_hold.of_job(job, nodes, now) if topology is None else None
+        demand = feasibility.demand_of(template)
+        hold = self._hold(job, raw_nodes, demand, now)
         held = frozenset() if hold is None else hold.labels
         raw_nodes, nodes = reserving.outside(self.waiting, ref.uid, raw_nodes, nodes)
-        demand = feasibility.demand_of(template)
         cap = resizing.largest_allowed(job.declared or job.spec, job.status, now)
         if ref.uid in self.waiting.entries:  # it waited: a wake-up (or its resync) plans it again
             metrics.REPLANS.labels(namespace=ref.namespace).inc()
@@ -626,7 +626,7 @@ class Placer:
             claim=claim,
             nodes_seen=len(raw_nodes),
             now=now,
-            held="" if hold is None else hold.note,
+            hold_note="" if hold is None else hold.note,
         )
         job = dataclasses.replace(job, spec=sized.spec)
         if isinstance(outcome, placement_outcome.WontFit):
@@ -640,8 +640,10 @@ class Placer:
             outcome = reserving.unplaced(self.waiting, job, demand, outcome)
             since = reservation.since_of(job.status, now)
             declared, beside = job.declared or sized.spec, self._beside_own(job)
-            until = None if hold is None else (hold.until - now).total_seconds()
-            self.waiting.enter(ref, declared, demand, beside, since, priority, bool(avoid), until)
+            held_for = None if hold is None else (hold.until - now).total_seconds()
+            self.waiting.enter(
+                ref, declared, demand, beside, since, priority, bool(avoid), held_for
+            )
             took = self.fit.worker.last_seconds
             self._next_plan[ref.uid] = time.monotonic() + PLAN_SPACING * took
             if took >= SLOW_PLAN_SECONDS:
@@ -685,6 +687,28 @@ class Placer:
         gang = creating.Gang(ref, self._shared_children(ref, spec, group), pods)
         creating.assume(self.cache, gang)
         return (body, job, True), (outcome, gang)
+
+    def _hold(
+        self,
+        job: job_state.JobState,
+        raw_nodes: list[dict[str, Any]],
+        demand: feasibility.Demand,
+        now: datetime.datetime,
+    ) -> topology_hold.Hold | None:
+        """The preferred levels holding the gang's first placement for one domain, judged on
+        its candidate nodes with nothing running there (``topology_hold``)."""
+        if not topology_hold.may_hold(job, kueue=job.ref.uid in self.waiting.kueue):
+            return None
+        assert job.spec is not None
+        pods, empty = job.spec.pods, feasibility.Usage()
+        slots = (
+            (
+                (n.get("metadata") or {}).get("labels") or {},
+                feasibility.slots(demand, n, empty, pods),
+            )
+            for n in raw_nodes
+        )
+        return topology_hold.of_job(job, slots, now)
 
     async def _planning_refused(
         self, body: dict[str, Any], job: job_state.JobState, exceeded: planning.DeadlineExceeded

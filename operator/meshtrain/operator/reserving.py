@@ -22,7 +22,6 @@ from meshtrain.operator.policy import (
     placement_outcome,
     reservation,
     resizing,
-    topology_hold,
 )
 
 logger = logging.getLogger("meshtrain.operator")
@@ -54,17 +53,12 @@ async def _plan(
     """The holder's node set, planned now (see :func:`refresh`)."""
     assert job.spec is not None
     ref, declared = job.ref, job.declared or job.spec
-    now = clock.now()
-    raw_nodes, nodes, _ = fit.candidates(job, declared.resources.gpu_resource_name, now)
-    hold = topology_hold.of_job(job, nodes, now)
+    raw_nodes, nodes, _ = fit.candidates(job, declared.resources.gpu_resource_name, clock.now())
     drained = fit.cache.usage(ours_free=True)  # assumed pods are meshtrain's too
     smallest = min(spec.parallelism.data for _, spec in resizing.candidates(declared))
     metrics.RESERVATION_PLANS.labels(namespace=ref.namespace).inc()
     try:
-        held = frozenset() if hold is None else hold.labels
-        sized = await fit.plan_sizes(
-            job, raw_nodes, nodes, demand, smallest, usage=drained, held=held
-        )
+        sized = await fit.plan_sizes(job, raw_nodes, nodes, demand, smallest, usage=drained)
     except (planning.DeadlineExceeded, planning.WorkerFailed) as err:
         logger.info("%s/%s: reservation not planned: %s", ref.namespace, ref.name, err)
         sized = None

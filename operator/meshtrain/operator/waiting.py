@@ -173,7 +173,12 @@ class Queue:
                 self._demands[need.shape] = demand
         found = self.entries.get(ref.uid)
         misses = 0 if found is None else found.misses
-        if found is not None and self.holder() == found and self._short(found) is False:
+        if (
+            found is not None
+            and held_for is None  # a plan held to one domain says nothing of the reserved nodes
+            and self.holder() == found
+            and self._short(found) is False
+        ):
             misses += 1  # it held, its count was free, and its plan placed nothing
         began = [t for t in (since, None if found is None else found.since) if t is not None]
         fits = need.shape is None or self._fits_drained(need.shape, need.pods)

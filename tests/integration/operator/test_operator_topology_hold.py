@@ -1,8 +1,9 @@
 """A preferred fabric level with ``waitSeconds`` on a real API server and kube-scheduler: a gang
 that fits now only across racks waits for one rack (Placed=False says until when); a tenant's pod
 leaving that rack places it there; a hold that runs out places it across racks with no capacity
-change (the operator's resync is long: only the hold's own requeue can plan it); and a gang no
-rack could ever hold is placed across racks at once."""
+change (the operator's resync is long, and nothing else changes by then: only the hold's own
+requeue can plan it); and a gang no rack could ever hold (too few nodes, or a node whose taint it
+does not tolerate) is placed across racks at once."""
 
 from __future__ import annotations
 
@@ -78,26 +79,33 @@ def test_a_held_gang_waits_for_one_rack_and_is_spread_only_once_its_hold_runs_ou
             namespace = f"hold-{uuid.uuid4().hex[:6]}"
             cluster.core.create_namespace({"metadata": {"name": namespace}})
             # rack r0: two nodes, one a tenant's; rack r1: one node.  Free: one node per rack.
-            freed, timed, never = (f"p{uuid.uuid4().hex[:6]}" for _ in range(3))
+            freed, timed, never, tainted = (f"p{uuid.uuid4().hex[:6]}" for _ in range(4))
             tenants = {}
             for pool in (freed, timed):
                 racks = _racks(cluster, pool, (2, 1))
                 tenants[pool] = _tenant(cluster, namespace, racks[0][0])
             _racks(cluster, never, (1, 1))  # no rack could ever hold two pods
+            # nor here: the second node of rack r0 has a taint the job does not tolerate
+            rack = f"{tainted}-r0"
+            cluster.add_node(tainted, gpus=8, labels={BLOCK: f"{tainted}-b", RACK: rack})
+            taint = [{"key": "example.com/reserved", "value": "x", "effect": "NoSchedule"}]
+            labels = {BLOCK: f"{tainted}-b", RACK: rack}
+            cluster.add_node(tainted, gpus=8, labels=labels, taints=taint)
+            _racks(cluster, tainted, (0, 1))
 
-            applied = time.monotonic()
             cluster.apply(_job("freed", namespace, freed, wait=600))
-            cluster.apply(_job("timed", namespace, timed, wait=8))
             cluster.apply(_job("never", namespace, never, wait=600))
+            cluster.apply(_job("tainted", namespace, tainted, wait=600))
 
-            cluster.wait_gang(namespace, "never", 2)  # waiting could not help: at once
-            assert _racks_used(cluster, namespace, "never") == {f"{never}-r0", f"{never}-r1"}
+            # waiting could not help: placed at once, across racks
+            for job, pool in (("never", never), ("tainted", tainted)):
+                cluster.wait_gang(namespace, job, 2)
+                assert _racks_used(cluster, namespace, job) == {f"{pool}-r0", f"{pool}-r1"}
 
-            for name in ("freed", "timed"):
-                held = cluster.wait_reason(namespace, name, "Placed", "TopologyUnsatisfiable")
-                assert RACK in held["message"] and "held inside one domain" in held["message"]
-                assert "waitSeconds" in held["message"], held["message"]
-            assert cluster.pods(namespace, "freed") == [] and cluster.pods(namespace, "timed") == []
+            held = cluster.wait_reason(namespace, "freed", "Placed", "TopologyUnsatisfiable")
+            assert RACK in held["message"] and "held inside one domain" in held["message"]
+            assert "waitSeconds 600) until" in held["message"], held["message"]
+            assert cluster.pods(namespace, "freed") == []
 
             # the tenant leaves rack r0 of "freed": the wake-up places the gang inside it
             cluster.core.delete_namespaced_pod(
@@ -107,20 +115,30 @@ def test_a_held_gang_waits_for_one_rack_and_is_spread_only_once_its_hold_runs_ou
             )
             cluster.wait_gang(namespace, "freed", 2)
             assert _racks_used(cluster, namespace, "freed") == {f"{freed}-r0"}
+            for name in ("freed", "never", "tainted"):
+                _bound(cluster, namespace, name)
 
-            # "timed": nothing changes on its nodes; its 8 s hold runs out and it spreads
+            # now nothing else changes: only the hold's own requeue can plan "timed" again
+            applied = time.monotonic()
+            cluster.apply(_job("timed", namespace, timed, wait=6))
+            cluster.wait_reason(namespace, "timed", "Placed", "TopologyUnsatisfiable")
             cluster.wait_gang(namespace, "timed", 2, timeout=60)
-            assert time.monotonic() - applied >= 8.0
+            assert time.monotonic() - applied >= 5.0  # from the first plan's whole second
             assert _racks_used(cluster, namespace, "timed") == {f"{timed}-r0", f"{timed}-r1"}
-            bound = wait_for(
-                "the spread gang bound by kube-scheduler",
-                lambda: (
-                    nodes
-                    if all(nodes := [p.spec.node_name for p in cluster.pods(namespace, "timed")])
-                    else None
-                ),
-            )
-            recorded = {entry["node"] for entry in cluster.status(namespace, "timed")["placement"]}
-            assert set(bound) == recorded
+            assert set(_bound(cluster, namespace, "timed")) == {
+                entry["node"] for entry in cluster.status(namespace, "timed")["placement"]
+            }
         finally:
             operator.stop()
+
+
+def _bound(cluster: Cluster, namespace: str, job: str) -> list[str]:
+    """The nodes kube-scheduler bound the gang's pods to, once it bound them all."""
+    return wait_for(
+        f"the gang of {job} bound by kube-scheduler",
+        lambda: (
+            nodes
+            if all(nodes := [p.spec.node_name for p in cluster.pods(namespace, job)])
+            else None
+        ),
+    )

@@ -266,12 +266,12 @@ def judge(
     claim: volumes.Topology | None,
     nodes_seen: int,
     now: datetime.datetime,
-    held: str = "",
+    hold_note: str = "",
 ) -> WontFit | Unplaced | Placed:
     """What the plan ``sized`` comes to for ``job`` (as read before the plan).
 
     ``avoid``: nodes left out for this job; ``claim``: where its claim lets pods go;
-    ``nodes_seen``: how many nodes the plan considered; ``held``: what an unplaced gang's
+    ``nodes_seen``: how many nodes the plan considered; ``hold_note``: what an unplaced gang's
     message adds while preferred levels hold it (``topology_hold.Hold.note``).
     """
     assert job.spec is not None
@@ -285,7 +285,7 @@ def judge(
     assert answer is not None  # only a refused size has no answer
     if isinstance(answer, placement.Unschedulable):
         said = feasibility.summary(sized.refusals, nodes_seen)
-        message = f"{answer.message}{held}{_tried(job, sized, avoid, claim)}; {said}"
+        message = f"{answer.message}{hold_note}{_tried(job, sized, avoid, claim)}; {said}"
         return unplaced(job, answer.reason, message, now, plan)
     declared = job.declared or sized.spec
     fields = placement_status.placed(job, answer.nodes, answer.level_bytes, now, plan)

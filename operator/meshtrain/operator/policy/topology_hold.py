@@ -1,4 +1,4 @@
-"""How long a preferred fabric level holds a waiting gang for one domain
+"""How long a preferred fabric level holds a gang's first placement for one domain
 (``spec.topology.levels[].waitSeconds``).  Pure.
 
 A preferred level is weighed per byte: the planner places across its domains when no one domain
@@ -6,8 +6,15 @@ has room now.  Under churn that splits gangs that one domain would have held a m
 a split gang pays cross-domain bytes at every step for the rest of its run.  ``waitSeconds`` trades
 start time for those bytes, as Slurm's ``--switches=N@max-time`` does: while the job has waited
 less than that for placement (its ``Placed=False`` condition's age, ``reservation.since_of``),
-the level is required of the whole gang; after that it is preferred again.  A level none of
-whose domains holds the gang even with every node empty is never held: waiting could not help.
+the level is required of the whole gang; after that it is preferred again.
+
+Only a job's first placement is held: a gang that ran once (``status.startTime``) is re-placed at
+once after a failure, a straggler's replacement, a spec change or a grow, on its freed nodes or
+across domains.  Not held either: a job Kueue admits (its quota would sit idle, and Kueue TAS
+chooses domains itself), an elastic job (it would shrink into one domain now and grow across
+domains later: two rebuilds), and a level none of whose domains has slots for the gang's pods
+on its nodes with nothing running there (waiting could not help; a DRA job's devices are not in
+node allocatable, so it is never held).
 """
 
 from __future__ import annotations
@@ -16,11 +23,13 @@ import dataclasses
 import datetime
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
-from meshtrain import placement
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.policy import job_state, reservation, resizing
+from meshtrain.operator.policy import job_state, reservation
+
+EmptySlots = Iterable[tuple[Mapping[str, str], int]]
+"""(labels, pod slots with nothing running there) of each node the gang may use."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,19 +41,19 @@ class Hold:
     until: datetime.datetime
     """When the first of them stops holding (the job is planned again then)."""
     note: str
-    """What the job's ``Placed=False`` message adds (stable for the whole hold: no new Event per plan)."""
+    """What the job's ``Placed=False`` message adds: each held level and when it stops holding."""
 
 
 def hold(
     spec: api_spec.TrainingJobSpec,
     since: datetime.datetime,
     now: datetime.datetime,
-    nodes: Iterable[placement.Node],
+    empty_slots: EmptySlots,
 ) -> Hold | None:
     """The levels of ``spec`` that hold a gang waiting since ``since`` at ``now`` (None: none).
 
-    ``nodes``: every node the gang may use, busy or not; a level holds only where one of its
-    domains has slots for the gang's smallest allowed size on them.
+    A level holds only where one of its domains has, in ``empty_slots``, room for all the gang's
+    pods.
     """
     waited = (now - since).total_seconds()
     running = [
@@ -54,47 +63,51 @@ def hold(
     ]
     if not running:
         return None
-    pods = min((candidate.pods for _, candidate in resizing.candidates(spec)), default=spec.pods)
-    room = _largest_domains(spec, nodes, {level.label for _, level in running})
-    kept = [(index, level) for index, level in running if room.get(level.label, 0) >= pods]
+    room = _largest_domains(empty_slots, {level.label for _, level in running})
+    kept = [(index, level) for index, level in running if room[level.label] >= spec.pods]
     if not kept:
         return None
-    until = min(since + datetime.timedelta(seconds=level.wait_seconds) for _, level in kept)
-    stamp = until.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    named = ", ".join(
-        f"spec.topology.levels[{index}] ({level.label}, waitSeconds {level.wait_seconds})"
+    ends = {index: since + datetime.timedelta(seconds=level.wait_seconds) for index, level in kept}
+    held = ", ".join(
+        f"spec.topology.levels[{index}] ({level.label}, waitSeconds {level.wait_seconds}) "
+        f"until {_stamp(ends[index])}"
         for index, level in kept
     )
-    note = (
-        f"; held inside one domain of {named} until {stamp} at the latest, then placed across "
-        "domains if need be"
-    )
-    return Hold(frozenset(level.label for _, level in kept), until, note)
+    note = f"; held inside one domain of {held}; then placed across domains if need be"
+    return Hold(frozenset(level.label for _, level in kept), min(ends.values()), note)
 
 
-def _largest_domains(
-    spec: api_spec.TrainingJobSpec, nodes: Iterable[placement.Node], labels: set[str]
-) -> dict[str, int]:
-    """Per label, the pod slots of its largest domain on the nodes the gang may use, all empty."""
-    per_pod = spec.resources.gpus_per_node
-    selector = spec.resources.node_selector.items()
-    slots: dict[str, Counter[str]] = {label: Counter() for label in labels}
-    for node in nodes:
-        if node.unschedulable or any(node.labels.get(k) != v for k, v in selector):
-            continue
-        for label in labels:
-            if (value := node.labels.get(label)) is not None:
-                slots[label][value] += node.allocatable_gpus // per_pod
-    return {label: max(counts.values(), default=0) for label, counts in slots.items()}
+def may_hold(job: job_state.JobState, kueue: bool) -> bool:
+    """Whether a level may hold ``job``'s placement at all (see the module's docstring), before
+    its nodes are counted.  ``kueue``: Kueue admits the job."""
+    declared = job.declared or job.spec
+    if declared is None or kueue or job.status.get("startTime"):
+        return False
+    if declared.run_policy.elastic is not None:
+        return False
+    return any(level.wait_seconds > 0 for level in declared.topology.levels)
 
 
-def of_job(
-    job: job_state.JobState, nodes: Iterable[placement.Node], now: datetime.datetime
-) -> Hold | None:
-    """The levels that hold ``job``'s gang at ``now``, as its status says how long it waited."""
+def of_job(job: job_state.JobState, empty_slots: EmptySlots, now: datetime.datetime) -> Hold | None:
+    """The levels that hold ``job``'s gang at ``now`` (:func:`may_hold` it), as its status says
+    how long it waited (None: none)."""
     declared = job.declared or job.spec
     assert declared is not None
     # whole seconds, as the condition's lastTransitionTime records it: the first plan (no
-    # condition yet) and the next say the same "until", so the message is news once
+    # condition yet) and the next say the same times
     began = math.floor(reservation.since_of(job.status, now))
-    return hold(declared, datetime.datetime.fromtimestamp(began, datetime.UTC), now, nodes)
+    return hold(declared, datetime.datetime.fromtimestamp(began, datetime.UTC), now, empty_slots)
+
+
+def _largest_domains(empty_slots: EmptySlots, labels: set[str]) -> dict[str, int]:
+    """Per label, the pod slots of its largest domain."""
+    slots: dict[str, Counter[str]] = {label: Counter() for label in labels}
+    for node_labels, count in empty_slots:
+        for label in labels:
+            if (value := node_labels.get(label)) is not None:
+                slots[label][value] += count
+    return {label: max(counts.values(), default=0) for label, counts in slots.items()}
+
+
+def _stamp(at: datetime.datetime) -> str:
+    return at.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
