@@ -611,3 +611,30 @@ def test_a_job_a_preferred_level_holds_is_planned_once_more_when_its_hold_ends(
     queue.enter(*fits, held_for=5.0)
     queue.leave(ref)
     assert queue.hold_left(ref.uid) is None
+
+
+def test_while_a_level_holds_a_job_only_a_change_that_frees_one_domain_for_it_wakes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Racks r0 (n0, n1) and r1 (n2, n3); n0 and n2 busy.  A 2-pod job held to one rack: the two
+    free slots (one per rack) wake it no more; a change that frees a rack does; once the hold
+    ends the fleet-wide count decides again."""
+    cache = informer.Cache()
+    for i in range(4):
+        node = _node(f"n{i}")
+        node["metadata"]["labels"] = {"example.com/rack": f"r{i // 2}"}
+        cache.nodes.upsert(node)
+    cache.pods.upsert(_bound("busy0", "n0"))
+    cache.pods.upsert(_bound("busy2", "n2"))
+    queue = waiting.Queue(cache)
+    ticks = [1000.0]
+    monkeypatch.setattr(waiting.time, "monotonic", lambda: ticks[0])
+    held = _job("held", 2)
+    queue.enter(*held, held_for=30.0, held_in=frozenset({"example.com/rack"}))
+    assert queue.free_slots(waiting.shape_of(held[2])) == 2  # the count alone would admit it
+    assert queue.wake([("ns", "held")]) == []
+    cache.pods.remove(_bound("busy0", "n0"))  # rack r0 free
+    assert queue.wake([("ns", "held")]) == [("ns", "held")]
+    cache.pods.upsert(_bound("busy0", "n0"))
+    ticks[0] += 30.0  # the hold ended: the count decides (and a pass is owed anyway)
+    assert queue.wake([("ns", "held")]) == [("ns", "held")]

@@ -642,7 +642,7 @@ class Placer:
             declared, beside = job.declared or sized.spec, self._beside_own(job)
             held_for = None if hold is None else (hold.until - now).total_seconds()
             self.waiting.enter(
-                ref, declared, demand, beside, since, priority, bool(avoid), held_for
+                ref, declared, demand, beside, since, priority, bool(avoid), held_for, held
             )
             took = self.fit.worker.last_seconds
             self._next_plan[ref.uid] = time.monotonic() + PLAN_SPACING * took

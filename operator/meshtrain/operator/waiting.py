@@ -5,7 +5,9 @@ which waiting jobs a capacity change could admit, and the placer which nodes the
 keeps from a job (the rules are ``policy.capacity_queue``'s and ``policy.reservation``'s; the
 node set is planned by ``reserving``).  Free pod slots are counted on the informer's
 nodes and usage, once per pod shape per question (at most :data:`MAX_SHAPES` shapes: beyond
-them, and for DRA jobs, a job's shape is unknown and it is always woken).
+them, and for DRA jobs, a job's shape is unknown and it is always woken); a job a preferred level
+holds to one domain (``topology_hold``) is woken only where one domain of each held level has
+its slots, counted for that job.
 
 A capacity-change sequence number (:meth:`Queue.capacity_changed`) is recorded when a job's plan
 starts (:meth:`Queue.planning`): a periodic resync plans a waiting job again only if a change came
@@ -15,6 +17,7 @@ change is woken once it is marked waiting (:meth:`Queue.missed`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Hashable, Iterable
@@ -74,9 +77,10 @@ class Queue:
         """UID -> (:attr:`seq`, generation, holder UID) when its last plan started."""
         self._timed: set[str] = set()
         """UIDs whose last plan left out nodes for a time: a resync may plan them with no change."""
-        self._holds: dict[str, float] = {}
-        """UID -> monotonic time its last plan's hold for one domain ends (``topology_hold``): a
-        pass then plans it with no capacity change, across domains if need be."""
+        self._holds: dict[str, tuple[float, frozenset[str]]] = {}
+        """UID -> (monotonic time its last plan's hold for one domain ends, the held levels'
+        labels) (``topology_hold``): until then a change wakes it only where one domain of each
+        held level has its slots; then a pass plans it with no change, across domains if need be."""
         self._verdicts: dict[str, tuple[tuple[int, int, str | None], bool]] = {}
         """UID -> ((:attr:`seq`, generation, holder UID), whether :meth:`unchanged`): the free
         slots are counted once per change, not at every resync."""
@@ -134,7 +138,7 @@ class Queue:
         planned = self._planned.get(ref.uid)
         if planned is None or planned[1] != generation or self.reservation_due(ref.uid):
             return False
-        if self._holds.get(ref.uid, float("inf")) <= time.monotonic():
+        if self._holds.get(ref.uid, (float("inf"),))[0] <= time.monotonic():
             return False  # a preferred level held it until now: plan it without
         holder = self._holder_uid()
         if (planned[0], planned[2]) == (self.seq, holder) and ref.uid not in self._timed:
@@ -155,6 +159,7 @@ class Queue:
         priority: int = 0,
         avoided: bool = False,
         held_for: float | None = None,
+        held_in: frozenset[str] = frozenset(),
     ) -> capacity_queue.Waiting:
         """The job waits (since the first time: a job entered again keeps its place).
 
@@ -162,7 +167,8 @@ class Queue:
         ``since``: when it began to wait (``reservation.since_of``; None: now), ``priority``: its
         PriorityClass value; ``avoided``: its plan left out nodes for a while (stragglers,
         scheduler refusals), whose exclusion ends with time, not with a capacity change;
-        ``held_for``: seconds until a preferred level stops holding it for one domain.
+        ``held_for``: seconds until a preferred level stops holding it for one domain, one of
+        each of the ``held_in`` labels.
         """
         unknown = unknown or bool(self.cache.inventory().devices)  # slices may serve it
         need = need_of(spec, demand, unknown)
@@ -192,7 +198,7 @@ class Queue:
         if held_for is None:
             self._holds.pop(ref.uid, None)
         else:
-            self._holds[ref.uid] = time.monotonic() + held_for
+            self._holds[ref.uid] = (time.monotonic() + held_for, held_in)
         if avoided:
             self._timed.add(ref.uid)
         else:
@@ -316,7 +322,7 @@ class Queue:
     def hold_left(self, uid: str) -> float | None:
         """Seconds until a preferred level stops holding waiting job ``uid`` (None: no hold, or it
         ended: the pass owed then plans it)."""
-        left = self._holds.get(uid, 0.0) - time.monotonic()
+        left = self._holds.get(uid, (0.0,))[0] - time.monotonic()
         return left if left > 0 else None
 
     def hold_back(self, ref: identity.JobRef) -> float:
@@ -352,4 +358,30 @@ class Queue:
         found.update(
             capacity_queue.admissible(others, lambda s: self.free_slots(s, excluding=reserved))
         )
-        return [key for key in needs if key in found]
+        return [key for key in needs if key in found and self._domain_for(key, holds, reserved)]
+
+    def _domain_for(self, key: Key, holds: set[Key], reserved: frozenset[str]) -> bool:
+        """Whether waiting job ``key``, if a preferred level still holds it, finds its pods'
+        slots inside one domain of each held level (outside the reserved nodes unless it holds
+        them); a job no level holds, or of unknown shape, passes."""
+        uid = self._uids.get(key, "")
+        entry, held = self.entries.get(uid), self._holds.get(uid)
+        if entry is None or held is None or entry.need.shape is None:
+            return True
+        ends, labels = held
+        if ends <= time.monotonic():
+            return True
+        demand = self._demands[entry.need.shape]
+        excluding = frozenset() if key in holds else reserved
+        for label in labels:
+            per_domain: collections.Counter[str] = collections.Counter()
+            for node in self.cache.nodes.values():
+                metadata = node.get("metadata") or {}
+                value = (metadata.get("labels") or {}).get(label)
+                if value is None or metadata.get("name") in excluding:
+                    continue
+                used = self.cache.node_usage(metadata.get("name") or "") or feasibility.Usage()
+                per_domain[value] += feasibility.slots(demand, node, used, entry.need.pods)
+            if max(per_domain.values(), default=0) < entry.need.pods:
+                return False
+        return True

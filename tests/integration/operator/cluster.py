@@ -509,6 +509,21 @@ class OperatorProcess:
         self.process = None
 
 
+@contextlib.contextmanager
+def operated(
+    control_plane_binaries: Any, log_path: str, resync_seconds: float
+) -> Iterator[tuple[Cluster, OperatorProcess]]:
+    """A private control plane and an operator process on it (``resync_seconds`` between passes
+    at most), stopped at the end."""
+    with Cluster.private(control_plane_binaries) as cluster:
+        operator = OperatorProcess(cluster.kubeconfig, log_path, resync_seconds=resync_seconds)
+        operator.start()
+        try:
+            yield cluster, operator
+        finally:
+            operator.stop()
+
+
 def reconcile_passes(
     cluster: Cluster,
     namespace: str,

@@ -5,14 +5,12 @@ resync is long, so that every plan it makes is one a change woke."""
 
 from __future__ import annotations
 
-import contextlib
 import re
 import time
 import uuid
-from collections.abc import Iterator
 
 from tests.builders import JobBuilder
-from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_for
+from tests.integration.operator.cluster import Cluster, OperatorProcess, operated, wait_for
 
 
 def _unplaced_plans(operator: OperatorProcess, namespace: str) -> float:
@@ -24,42 +22,35 @@ def _unplaced_plans(operator: OperatorProcess, namespace: str) -> float:
 def test_a_waiting_job_is_planned_only_for_a_change_that_could_admit_it(
     control_plane_binaries, tmp_path
 ):
-    with Cluster.private(control_plane_binaries) as cluster:
-        operator = OperatorProcess(
-            cluster.kubeconfig, str(tmp_path / "operator.log"), resync_seconds=300
+    log = str(tmp_path / "operator.log")
+    with operated(control_plane_binaries, log, resync_seconds=300) as (cluster, operator):
+        namespace, pool = f"wait-{uuid.uuid4().hex[:6]}", f"p{uuid.uuid4().hex[:6]}"
+        cluster.core.create_namespace({"metadata": {"name": namespace}})
+        cluster.add_node(pool, gpus=8)
+        cluster.apply(JobBuilder("big", namespace, pool).layout(data=32).gpus(8))  # 4 x 8 GPUs
+        wait_for(
+            "Placed=False for want of GPUs",
+            lambda: (
+                cluster.condition(namespace, "big", "Placed").get("reason") == "InsufficientGPUs"
+            ),
         )
-        operator.start()
-        try:
-            namespace, pool = f"wait-{uuid.uuid4().hex[:6]}", f"p{uuid.uuid4().hex[:6]}"
-            cluster.core.create_namespace({"metadata": {"name": namespace}})
+        wait_for("the first plan counted", lambda: _unplaced_plans(operator, namespace) >= 1)
+        time.sleep(1.0)  # a pass its own status write woke has come and gone
+        before = _unplaced_plans(operator, namespace)
+        replans = _replans(operator, namespace)
+        for _ in range(2):  # 24 GPUs: three nodes cannot hold four pods of 8
             cluster.add_node(pool, gpus=8)
-            cluster.apply(JobBuilder("big", namespace, pool).layout(data=32).gpus(8))  # 4 x 8 GPUs
-            wait_for(
-                "Placed=False for want of GPUs",
-                lambda: (
-                    cluster.condition(namespace, "big", "Placed").get("reason")
-                    == "InsufficientGPUs"
-                ),
-            )
-            wait_for("the first plan counted", lambda: _unplaced_plans(operator, namespace) >= 1)
-            time.sleep(1.0)  # a pass its own status write woke has come and gone
-            before = _unplaced_plans(operator, namespace)
-            replans = _replans(operator, namespace)
-            for _ in range(2):  # 24 GPUs: three nodes cannot hold four pods of 8
-                cluster.add_node(pool, gpus=8)
-            time.sleep(3.0)
-            assert _unplaced_plans(operator, namespace) == before
-            assert _replans(operator, namespace) == replans  # not planned again either
-            cluster.add_node(pool, gpus=8)  # 32: room for the gang
-            cluster.wait_gang(namespace, "big", 4)
-            assert _unplaced_plans(operator, namespace) == before  # woken once, and placed
-            assert _replans(operator, namespace) == replans + 1  # by that one plan
-            # The operator's own per-job count: one plan for the one change that could admit it.
-            wait_for("the job's count closed", lambda: _sample(operator, "_count") == 1.0)
-            assert _sample(operator, "_sum") == 1.0
-            assert _sample(operator, "_max") == 1.0
-        finally:
-            operator.stop()
+        time.sleep(3.0)
+        assert _unplaced_plans(operator, namespace) == before
+        assert _replans(operator, namespace) == replans  # not planned again either
+        cluster.add_node(pool, gpus=8)  # 32: room for the gang
+        cluster.wait_gang(namespace, "big", 4)
+        assert _unplaced_plans(operator, namespace) == before  # woken once, and placed
+        assert _replans(operator, namespace) == replans + 1  # by that one plan
+        # The operator's own per-job count: one plan for the one change that could admit it.
+        wait_for("the job's count closed", lambda: _sample(operator, "_count") == 1.0)
+        assert _sample(operator, "_sum") == 1.0
+        assert _sample(operator, "_max") == 1.0
 
 
 def _waits_for_gpus(cluster: Cluster, namespace: str, pool: str, data: int) -> None:
@@ -90,7 +81,8 @@ def test_a_resync_plans_a_waiting_job_only_after_a_capacity_change(
 ):
     """With a 1 s resync, a job that cannot fit is not planned again at every resync; the node
     that makes room places it."""
-    with _operated(control_plane_binaries, tmp_path, resync_seconds=1) as (cluster, operator):
+    log = str(tmp_path / "operator.log")
+    with operated(control_plane_binaries, log, resync_seconds=1) as (cluster, operator):
         namespace, pool = f"sync-{uuid.uuid4().hex[:6]}", f"p{uuid.uuid4().hex[:6]}"
         _waits_for_gpus(cluster, namespace, pool, data=16)  # 2 x 8 GPUs, one node
         time.sleep(1.5)  # a pass its own status write woke has come and gone
@@ -99,18 +91,3 @@ def test_a_resync_plans_a_waiting_job_only_after_a_capacity_change(
         assert _replans(operator, namespace) + _unplaced_plans(operator, namespace) == before
         cluster.add_node(pool, gpus=8)  # room for the gang
         cluster.wait_gang(namespace, "big", 2)
-
-
-@contextlib.contextmanager
-def _operated(
-    control_plane_binaries, tmp_path, resync_seconds: float
-) -> Iterator[tuple[Cluster, OperatorProcess]]:
-    """A private control plane and an operator process on it, stopped at the end."""
-    with Cluster.private(control_plane_binaries) as cluster:
-        log = str(tmp_path / "operator.log")
-        operator = OperatorProcess(cluster.kubeconfig, log, resync_seconds=resync_seconds)
-        operator.start()
-        try:
-            yield cluster, operator
-        finally:
-            operator.stop()
