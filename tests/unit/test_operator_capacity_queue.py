@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import random
+import time
 from typing import Any
 
 import pytest
@@ -15,6 +17,7 @@ from meshtrain.api import spec as api_spec
 from meshtrain.operator import handlers, placement_lock, reserving, waiting
 from meshtrain.operator.cluster import informer
 from meshtrain.operator.policy import capacity_queue, conditions, feasibility, identity, reservation
+from meshtrain.planner import placement_request
 from tests.builders import JobBuilder
 
 GPU = "nvidia.com/gpu"
@@ -365,7 +368,7 @@ def test_a_holder_whose_count_was_free_yet_did_not_fit_passes_the_reservation_on
     clock[0] = capacity_queue.RESERVE_AFTER_SECONDS + 2
     _reserve(queue, "uid-large", "n1", "n2", "n3")  # free: its plan would find them
     for _ in range(capacity_queue.PASS_ON_AFTER):
-        queue.enter(*large, held_for=10.0)  # held to one domain: says nothing of its nodes
+        queue.enter(*large, held_until=1e12)  # held to one domain: says nothing of its nodes
     assert queue.entries["uid-large"].misses == 0
     for _ in range(capacity_queue.PASS_ON_AFTER):
         assert queue.holder() == queue.entries["uid-large"]
@@ -599,7 +602,7 @@ def test_a_job_a_preferred_level_holds_is_planned_once_more_when_its_hold_ends(
     fits = _job("fits", 2)
     ref = fits[0]
     queue.planning(ref, 1)
-    queue.enter(*fits, held_for=30.0)
+    queue.enter(*fits, held_until=ticks[0] + 30.0)
     assert queue.unchanged(ref, 1) is True
     assert queue.hold_left(ref.uid) == 30.0
     ticks[0] += 30.0
@@ -608,7 +611,7 @@ def test_a_job_a_preferred_level_holds_is_planned_once_more_when_its_hold_ends(
     queue.planning(ref, 1)
     queue.enter(*fits)  # planned without a hold: the capacity rule again
     assert queue.unchanged(ref, 1) is True
-    queue.enter(*fits, held_for=5.0)
+    queue.enter(*fits, held_until=ticks[0] + 5.0)
     queue.leave(ref)
     assert queue.hold_left(ref.uid) is None
 
@@ -630,7 +633,7 @@ def test_while_a_level_holds_a_job_only_a_change_that_frees_one_domain_for_it_wa
     ticks = [1000.0]
     monkeypatch.setattr(waiting.time, "monotonic", lambda: ticks[0])
     held = _job("held", 2)
-    queue.enter(*held, held_for=30.0, held_in=frozenset({"example.com/rack"}))
+    queue.enter(*held, held_until=ticks[0] + 30.0, held_in=frozenset({"example.com/rack"}))
     assert queue.free_slots(waiting.shape_of(held[2])) == 2  # the count alone would admit it
     assert queue.wake([("ns", "held")]) == []
     cache.pods.remove(_bound("busy0", "n0"))  # rack r0 free
@@ -638,3 +641,40 @@ def test_while_a_level_holds_a_job_only_a_change_that_frees_one_domain_for_it_wa
     cache.pods.upsert(_bound("busy0", "n0"))
     ticks[0] += 30.0  # the hold ended: the count decides (and a pass is owed anyway)
     assert queue.wake([("ns", "held")]) == [("ns", "held")]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_held_job_is_woken_whenever_a_plan_with_its_held_levels_required_would_place_it(
+    seed: int,
+) -> None:
+    """The wake rule of a held job stays a necessary condition of a placement: on random small
+    fleets (unlabelled nodes, busy GPUs, 8- and 16-GPU nodes) whenever ``placement.plan`` with the
+    held levels required places the gang, the job is woken."""
+    rng = random.Random(seed)
+    rack, block = "example.com/rack", "example.com/block"
+    cache, offered = informer.Cache(), []
+    for i in range(rng.randint(2, 8)):
+        gpus = rng.choice([8, 16])
+        node = _node(f"n{i}", gpus)
+        labels = {rack: f"r{rng.randint(0, 2)}"} if rng.random() < 0.8 else {}
+        if rng.random() < 0.8:
+            labels[block] = f"b{rng.randint(0, 1)}"
+        node["metadata"]["labels"] = labels
+        cache.nodes.upsert(node)
+        busy = rng.choice([0, 0, 8, gpus])
+        if busy:
+            cache.pods.upsert(_bound(f"busy{i}", f"n{i}", busy))
+        offered.append(placement.Node(f"n{i}", gpus - busy, labels))
+    pods = rng.randint(1, 3)
+    levels = [{"label": block, "waitSeconds": 60}, {"label": rack, "waitSeconds": 60}]
+    spec = api_spec.TrainingJobSpec.model_validate(
+        JobBuilder().layout(data=8 * pods, gpus_per_node=8).topology(levels=levels).raw()
+    )
+    held = frozenset(rng.sample([block, rack], rng.randint(1, 2)))
+    demand = feasibility.Demand(requests={GPU: 8}, tolerations=(), node_selector={})
+    queue = waiting.Queue(cache)
+    ref = identity.JobRef("held", "ns", "uid-held")
+    queue.enter(ref, spec, demand, held_until=time.monotonic() + 60, held_in=held)
+    planned = placement.plan(placement_request.request_from_spec(spec, held), offered, [])
+    if isinstance(planned, placement.Placement):
+        assert queue.wake([("ns", "held")]) == [("ns", "held")], (held, offered, planned)

@@ -45,9 +45,9 @@ def _at(seconds: float) -> datetime.datetime:
     return T0 + datetime.timedelta(seconds=seconds)
 
 
-def _empty(racks: list[int]) -> list[tuple[dict[str, str], int]]:
-    """(labels, pod slots when empty) of one-pod nodes, ``racks[i]`` of them in rack i."""
-    return [(dict(node.labels), 1) for node in _nodes(racks)]
+def _empty(racks: list[int]) -> list[tuple[str, dict[str, str], int]]:
+    """(name, labels, pod slots when empty) of one-pod nodes, ``racks[i]`` of them in rack i."""
+    return [(node.name, dict(node.labels), 1) for node in _nodes(racks)]
 
 
 def test_each_preferred_level_holds_until_its_own_wait_runs_out():
@@ -70,10 +70,13 @@ def test_no_hold_where_no_domain_has_slots_for_the_gang_even_empty():
     assert topology_hold.hold(_spec(3, waits), T0, T0, _empty([2, 2, 2])) is None  # racks of 2
     assert topology_hold.hold(_spec(2, waits), T0, T0, _empty([2, 2])) is not None
     # a node that takes none of the gang's pods (tainted, another pool, too small) counts nothing
-    none_here = [(labels, 0 if i % 2 else 1) for i, (labels, _) in enumerate(_empty([2, 2]))]
+    none_here = [(n, labels, i % 2) for i, (n, labels, _) in enumerate(_empty([2, 2]))]
     assert topology_hold.hold(_spec(2, waits), T0, T0, none_here) is None
-    unlabelled = [({}, 1)] * 4
+    # a node without the label is a domain of its own, as the planner counts it
+    unlabelled = [(f"u{i}", {}, 1) for i in range(4)]
     assert topology_hold.hold(_spec(2, waits), T0, T0, unlabelled) is None
+    big = [("big", {}, 2)]
+    assert topology_hold.hold(_spec(2, waits), T0, T0, unlabelled + big) is not None
 
 
 def _job(levels: list[dict[str, Any]], labels: dict[str, str] | None = None, **status: Any):

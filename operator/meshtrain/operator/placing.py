@@ -597,7 +597,7 @@ class Placer:
         assert job.spec is not None
         ref = job.ref
         started = time.perf_counter()
-        now = clock.now()
+        now, began = clock.now(), time.monotonic()
         gpu = job.spec.resources.gpu_resource_name
         raw_nodes, nodes, avoid = self.fit.candidates(job, gpu, now)
         demand = feasibility.demand_of(template)
@@ -640,9 +640,10 @@ class Placer:
             outcome = reserving.unplaced(self.waiting, job, demand, outcome)
             since = reservation.since_of(job.status, now)
             declared, beside = job.declared or sized.spec, self._beside_own(job)
-            held_for = None if hold is None else (hold.until - now).total_seconds()
+            # the hold's end on the monotonic clock, from when ``now`` was read (not the plan's end)
+            held_until = None if hold is None else began + (hold.until - now).total_seconds()
             self.waiting.enter(
-                ref, declared, demand, beside, since, priority, bool(avoid), held_for, held
+                ref, declared, demand, beside, since, priority, bool(avoid), held_until, held
             )
             took = self.fit.worker.last_seconds
             self._next_plan[ref.uid] = time.monotonic() + PLAN_SPACING * took
@@ -703,6 +704,7 @@ class Placer:
         pods, empty = job.spec.pods, feasibility.Usage()
         slots = (
             (
+                (n.get("metadata") or {}).get("name") or "",
                 (n.get("metadata") or {}).get("labels") or {},
                 feasibility.slots(demand, n, empty, pods),
             )

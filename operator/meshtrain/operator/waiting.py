@@ -24,7 +24,14 @@ from collections.abc import Hashable, Iterable
 
 from meshtrain.api import spec as api_spec
 from meshtrain.operator.cluster import clock, informer
-from meshtrain.operator.policy import capacity_queue, feasibility, identity, reservation, resizing
+from meshtrain.operator.policy import (
+    capacity_queue,
+    feasibility,
+    identity,
+    reservation,
+    resizing,
+    topology_hold,
+)
 
 Key = tuple[str, str]
 """(namespace, name) of a job."""
@@ -158,7 +165,7 @@ class Queue:
         since: float | None = None,
         priority: int = 0,
         avoided: bool = False,
-        held_for: float | None = None,
+        held_until: float | None = None,
         held_in: frozenset[str] = frozenset(),
     ) -> capacity_queue.Waiting:
         """The job waits (since the first time: a job entered again keeps its place).
@@ -167,8 +174,8 @@ class Queue:
         ``since``: when it began to wait (``reservation.since_of``; None: now), ``priority``: its
         PriorityClass value; ``avoided``: its plan left out nodes for a while (stragglers,
         scheduler refusals), whose exclusion ends with time, not with a capacity change;
-        ``held_for``: seconds until a preferred level stops holding it for one domain, one of
-        each of the ``held_in`` labels.
+        ``held_until``: monotonic time a preferred level stops holding it for one domain, one
+        of each of the ``held_in`` labels.
         """
         unknown = unknown or bool(self.cache.inventory().devices)  # slices may serve it
         need = need_of(spec, demand, unknown)
@@ -181,7 +188,7 @@ class Queue:
         misses = 0 if found is None else found.misses
         if (
             found is not None
-            and held_for is None  # a plan held to one domain says nothing of the reserved nodes
+            and held_until is None  # a plan held to one domain says nothing of the reserved nodes
             and self.holder() == found
             and self._short(found) is False
         ):
@@ -195,10 +202,11 @@ class Queue:
         )
         self._uids[(ref.namespace, ref.name)] = ref.uid
         self.specs[ref.uid] = spec
-        if held_for is None:
+        if held_until is None:
             self._holds.pop(ref.uid, None)
         else:
-            self._holds[ref.uid] = (time.monotonic() + held_for, held_in)
+            self._holds[ref.uid] = (held_until, held_in)
+        self._verdicts.pop(ref.uid, None)  # judged under the hold it had, if any
         if avoided:
             self._timed.add(ref.uid)
         else:
@@ -358,12 +366,24 @@ class Queue:
         found.update(
             capacity_queue.admissible(others, lambda s: self.free_slots(s, excluding=reserved))
         )
-        return [key for key in needs if key in found and self._domain_for(key, holds, reserved)]
+        largest: dict[tuple[Hashable, str, bool], int] = {}  # counted once per wake
+        return [
+            key
+            for key in needs
+            if key in found and self._domain_for(key, key in holds, reserved, largest)
+        ]
 
-    def _domain_for(self, key: Key, holds: set[Key], reserved: frozenset[str]) -> bool:
+    def _domain_for(
+        self,
+        key: Key,
+        holds: bool,
+        reserved: frozenset[str],
+        largest: dict[tuple[Hashable, str, bool], int],
+    ) -> bool:
         """Whether waiting job ``key``, if a preferred level still holds it, finds its pods'
-        slots inside one domain of each held level (outside the reserved nodes unless it holds
-        them); a job no level holds, or of unknown shape, passes."""
+        slots inside one domain of each held level (outside the reserved nodes unless it
+        ``holds`` them); a job no level holds, or of unknown shape, passes.  ``largest`` keeps
+        each (shape, label, holds) count for the other jobs of one wake-up."""
         uid = self._uids.get(key, "")
         entry, held = self.entries.get(uid), self._holds.get(uid)
         if entry is None or held is None or entry.need.shape is None:
@@ -371,17 +391,26 @@ class Queue:
         ends, labels = held
         if ends <= time.monotonic():
             return True
-        demand = self._demands[entry.need.shape]
-        excluding = frozenset() if key in holds else reserved
+        shape = entry.need.shape
         for label in labels:
-            per_domain: collections.Counter[str] = collections.Counter()
-            for node in self.cache.nodes.values():
-                metadata = node.get("metadata") or {}
-                value = (metadata.get("labels") or {}).get(label)
-                if value is None or metadata.get("name") in excluding:
-                    continue
-                used = self.cache.node_usage(metadata.get("name") or "") or feasibility.Usage()
-                per_domain[value] += feasibility.slots(demand, node, used, entry.need.pods)
-            if max(per_domain.values(), default=0) < entry.need.pods:
+            if (shape, label, holds) not in largest:
+                excluding = frozenset() if holds else reserved
+                largest[(shape, label, holds)] = self._largest_domain(shape, label, excluding)
+            if largest[(shape, label, holds)] < entry.need.pods:
                 return False
         return True
+
+    def _largest_domain(self, shape: Hashable, label: str, excluding: frozenset[str]) -> int:
+        """Free pods of ``shape`` in the fullest domain of ``label`` (a node without the label is
+        a domain of its own, as the planner counts it), leaving the ``excluding`` nodes out."""
+        demand = self._demands[shape]
+        per_domain: collections.Counter[str] = collections.Counter()
+        for node in self.cache.nodes.values():
+            metadata = node.get("metadata") or {}
+            name = metadata.get("name") or ""
+            if name in excluding:
+                continue
+            used = self.cache.node_usage(name) or feasibility.Usage()
+            domain = topology_hold.domain_of(name, metadata.get("labels") or {}, label)
+            per_domain[domain] += feasibility.slots(demand, node, used, 1 << 30)
+        return max(per_domain.values(), default=0)

@@ -28,8 +28,8 @@ from collections.abc import Iterable, Mapping
 from meshtrain.api import spec as api_spec
 from meshtrain.operator.policy import job_state, reservation
 
-EmptySlots = Iterable[tuple[Mapping[str, str], int]]
-"""(labels, pod slots with nothing running there) of each node the gang may use."""
+EmptySlots = Iterable[tuple[str, Mapping[str, str], int]]
+"""(name, labels, pod slots with nothing running there) of each node the gang may use."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,13 +100,19 @@ def of_job(job: job_state.JobState, empty_slots: EmptySlots, now: datetime.datet
 
 
 def _largest_domains(empty_slots: EmptySlots, labels: set[str]) -> dict[str, int]:
-    """Per label, the pod slots of its largest domain."""
+    """Per label, the pod slots of its largest domain (a node without the label is a domain of
+    its own, as the planner counts it: ``topology.node_path``)."""
     slots: dict[str, Counter[str]] = {label: Counter() for label in labels}
-    for node_labels, count in empty_slots:
+    for name, node_labels, count in empty_slots:
         for label in labels:
-            if (value := node_labels.get(label)) is not None:
-                slots[label][value] += count
+            slots[label][domain_of(name, node_labels, label)] += count
     return {label: max(counts.values(), default=0) for label, counts in slots.items()}
+
+
+def domain_of(name: str, labels: Mapping[str, str], label: str) -> str:
+    """The domain of node ``name`` at ``label``: its value, or the node itself where it has none
+    (``<name>``: label values cannot hold ``<``, so it never meets a real domain)."""
+    return labels.get(label, f"<{name}>")
 
 
 def _stamp(at: datetime.datetime) -> str:
