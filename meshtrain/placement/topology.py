@@ -101,10 +101,18 @@ def node_path(
     contain ``<``, so this never collides with a real domain): the node is a
     domain of its own at that level and below, far from everything.
     """
+    values = [domain_of(node.name, node.labels, level.label) for level in levels]
     own = f"<{node.name}>"
-    values = [node.labels.get(level.label, own) for level in levels]
-    values.append(node.labels.get(nvlink_domain_label, own) if nvlink_domain_label else own)
+    values.append(
+        domain_of(node.name, node.labels, nvlink_domain_label) if nvlink_domain_label else own
+    )
     return tuple(values)
+
+
+def domain_of(name: str, labels: Mapping[str, str], label: str) -> str:
+    """The domain of node ``name`` at ``label``: its value, or ``<name>`` where it has none (label
+    values cannot hold ``<``, so the node is a domain of its own that meets no real one)."""
+    return labels.get(label, f"<{name}>")
 
 
 def paths(

@@ -17,7 +17,6 @@ change is woken once it is marked waiting (:meth:`Queue.missed`).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 from collections.abc import Hashable, Iterable
@@ -401,16 +400,15 @@ class Queue:
         return True
 
     def _largest_domain(self, shape: Hashable, label: str, excluding: frozenset[str]) -> int:
-        """Free pods of ``shape`` in the fullest domain of ``label`` (a node without the label is
-        a domain of its own, as the planner counts it), leaving the ``excluding`` nodes out."""
+        """Free pods of ``shape`` in the fullest domain of ``label`` (``topology_hold``'s count),
+        leaving the ``excluding`` nodes out."""
         demand = self._demands[shape]
-        per_domain: collections.Counter[str] = collections.Counter()
+        free = []
         for node in self.cache.nodes.values():
             metadata = node.get("metadata") or {}
             name = metadata.get("name") or ""
-            if name in excluding:
-                continue
-            used = self.cache.node_usage(name) or feasibility.Usage()
-            domain = topology_hold.domain_of(name, metadata.get("labels") or {}, label)
-            per_domain[domain] += feasibility.slots(demand, node, used, 1 << 30)
-        return max(per_domain.values(), default=0)
+            if name not in excluding:
+                used = self.cache.node_usage(name) or feasibility.Usage()
+                slots = feasibility.slots(demand, node, used, 1 << 30)
+                free.append((name, metadata.get("labels") or {}, slots))
+        return topology_hold.largest_domains(free, (label,))[label]

@@ -26,10 +26,11 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.policy import job_state, reservation
+from meshtrain.operator.policy import conditions, job_state, reservation
+from meshtrain.placement import topology
 
 EmptySlots = Iterable[tuple[str, Mapping[str, str], int]]
-"""(name, labels, pod slots with nothing running there) of each node the gang may use."""
+"""(name, labels, pod slots) of each node the gang may use (for a hold: with nothing running)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +64,14 @@ def hold(
     ]
     if not running:
         return None
-    room = _largest_domains(empty_slots, {level.label for _, level in running})
+    room = largest_domains(empty_slots, {level.label for _, level in running})
     kept = [(index, level) for index, level in running if room[level.label] >= spec.pods]
     if not kept:
         return None
     ends = {index: since + datetime.timedelta(seconds=level.wait_seconds) for index, level in kept}
     held = ", ".join(
         f"spec.topology.levels[{index}] ({level.label}, waitSeconds {level.wait_seconds}) "
-        f"until {_stamp(ends[index])}"
+        f"until {conditions.timestamp(ends[index])}"
         for index, level in kept
     )
     note = f"; held inside one domain of {held}; then placed across domains if need be"
@@ -99,21 +100,11 @@ def of_job(job: job_state.JobState, empty_slots: EmptySlots, now: datetime.datet
     return hold(declared, datetime.datetime.fromtimestamp(began, datetime.UTC), now, empty_slots)
 
 
-def _largest_domains(empty_slots: EmptySlots, labels: set[str]) -> dict[str, int]:
-    """Per label, the pod slots of its largest domain (a node without the label is a domain of
-    its own, as the planner counts it: ``topology.node_path``)."""
-    slots: dict[str, Counter[str]] = {label: Counter() for label in labels}
-    for name, node_labels, count in empty_slots:
-        for label in labels:
-            slots[label][domain_of(name, node_labels, label)] += count
-    return {label: max(counts.values(), default=0) for label, counts in slots.items()}
-
-
-def domain_of(name: str, labels: Mapping[str, str], label: str) -> str:
-    """The domain of node ``name`` at ``label``: its value, or the node itself where it has none
-    (``<name>``: label values cannot hold ``<``, so it never meets a real domain)."""
-    return labels.get(label, f"<{name}>")
-
-
-def _stamp(at: datetime.datetime) -> str:
-    return at.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def largest_domains(slots: EmptySlots, labels: Iterable[str]) -> dict[str, int]:
+    """Per label, the pod slots of its fullest domain (a node without the label is a domain of
+    its own, as the planner counts it: ``placement.topology.domain_of``)."""
+    per_domain: dict[str, Counter[str]] = {label: Counter() for label in labels}
+    for name, node_labels, count in slots:
+        for label, counts in per_domain.items():
+            counts[topology.domain_of(name, node_labels, label)] += count
+    return {label: max(counts.values(), default=0) for label, counts in per_domain.items()}
