@@ -119,14 +119,15 @@ def test_a_deleted_pod_alone_is_replaced_in_its_required_leaf(plane, space):
         "only the replacement new",
         lambda: {p.metadata.name: p.metadata.uid for p in cluster.pods(namespace, "keep")} == pods,
     )
+    entry = {"podIndex": 2, "node": replaced.spec.node_name, "pod": "keep-r0-2-p1", "replaced": 1}
+    # The operator records the replacement as pending, creates the pod, then clears ``pending``
+    # in a second status write: the pod can be bound before that write lands.
+    wait_for(
+        "the replacement's placement entry no longer pending",
+        lambda: cluster.status(namespace, "keep")["placement"][2] == entry,
+    )
     status = cluster.status(namespace, "keep")
     assert status.get("restarts", 0) == 0 and status["phase"] == "Running", status
-    assert status["placement"][2] == {
-        "podIndex": 2,
-        "node": replaced.spec.node_name,
-        "pod": "keep-r0-2-p1",
-        "replaced": 1,
-    }
     recovery = status["recovery"]
     assert recovery["byTier"]["pod"] == 1 and recovery["attemptRestarts"] == 1, recovery
     assert recovery["last"]["tier"] == "pod" and recovery["last"]["ranks"] == [4, 5]
