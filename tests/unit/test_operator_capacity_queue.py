@@ -576,19 +576,27 @@ def test_a_job_the_counts_admit_but_the_plan_cannot_place_is_not_planned_again_u
     assert queue.unchanged(ref, 1) is True
 
 
-def test_a_job_whose_plan_left_out_nodes_for_a_while_is_planned_at_a_resync_without_a_change(
+def test_a_job_whose_plan_left_out_nodes_for_a_while_is_planned_once_when_the_first_returns(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A straggler's or a refused node's exclusion ends with time, not with a capacity change:
-    such a job is still planned when the counts admit it, as before."""
+    until the first avoided node returns, no change means no plan (the reconciler requeues then);
+    then one pass plans it; a resync after that plan does not."""
     _, queue, _ = _three_free_nodes(monkeypatch)
+    ticks = [1000.0]
+    monkeypatch.setattr(waiting.time, "monotonic", lambda: ticks[0])
     fits = _job("fits", 2)
     ref = fits[0]
     queue.planning(ref, 1)
-    queue.enter(*fits, avoided=True)
-    assert queue.unchanged(ref, 1) is False
+    queue.enter(*fits, avoided_until=ticks[0] + 300.0)
+    assert queue.unchanged(ref, 1) is True and not queue.time_changed(ref.uid)
+    assert queue.time_left(ref.uid) == 300.0
+    ticks[0] += 300.0
+    assert queue.time_changed(ref.uid) and queue.time_left(ref.uid) is None
+    assert queue.unchanged(ref, 1) is False  # the node is back: the pass owed now plans it
+    queue.planning(ref, 1)
     queue.enter(*fits)  # planned again without exclusions: back to the capacity rule
-    assert queue.unchanged(ref, 1) is True
+    assert queue.unchanged(ref, 1) is True and not queue.time_changed(ref.uid)
 
 
 def test_a_job_a_preferred_level_holds_is_planned_once_more_when_its_hold_ends(
@@ -604,16 +612,16 @@ def test_a_job_a_preferred_level_holds_is_planned_once_more_when_its_hold_ends(
     queue.planning(ref, 1)
     queue.enter(*fits, held_until=ticks[0] + 30.0)
     assert queue.unchanged(ref, 1) is True
-    assert queue.hold_left(ref.uid) == 30.0
+    assert queue.time_left(ref.uid) == 30.0
     ticks[0] += 30.0
-    assert queue.hold_left(ref.uid) is None  # no requeue at once, again and again
+    assert queue.time_left(ref.uid) is None  # no requeue at once, again and again
     assert queue.unchanged(ref, 1) is False  # the pass owed now plans it
     queue.planning(ref, 1)
     queue.enter(*fits)  # planned without a hold: the capacity rule again
     assert queue.unchanged(ref, 1) is True
     queue.enter(*fits, held_until=ticks[0] + 5.0)
     queue.leave(ref)
-    assert queue.hold_left(ref.uid) is None
+    assert queue.time_left(ref.uid) is None
 
 
 def test_while_a_level_holds_a_job_only_a_change_that_frees_one_domain_for_it_wakes_it(

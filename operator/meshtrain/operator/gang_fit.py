@@ -75,6 +75,14 @@ class GangFit:
             nodes = [n for n in nodes if n.name not in avoid]
         return raw_nodes, nodes, avoid
 
+    def avoidance_left(self, job: job_state.JobState, now: datetime.datetime) -> float | None:
+        """Seconds until the first node :meth:`candidates` avoids for ``job`` may take its pods
+        again (None: none will by time alone): its plan's candidates change then, with no
+        capacity change."""
+        refused = rescheduling.returns_in(self.refusals.get(job.ref.uid), time.monotonic())
+        replaced = stragglers.returns_in(job.status, now)
+        return min((t for t in (refused, replaced) if t is not None), default=None)
+
     async def fits_without(
         self,
         job: job_state.JobState,

@@ -475,11 +475,14 @@ class Placer:
                 )
             demand = feasibility.demand_of(template)
             if self.waiting.unchanged(ref, job.generation):  # a resync: nothing new to plan on
-                return body, job, False
-            self.waiting.planning(ref, job.generation)
-            step, placed = await self._place_gang(
-                action.attempt, body, job, template, where, claim, action.topology, priority
-            )
+                step, placed = (body, job, False), None  # its node set may still be due
+            else:
+                if self.waiting.time_changed(ref.uid):  # no capacity change, but one all the same
+                    self.replans.admitted((ref.namespace, ref.name))
+                self.waiting.planning(ref, job.generation)
+                step, placed = await self._place_gang(
+                    action.attempt, body, job, template, where, claim, action.topology, priority
+                )
             reserved = None  # it waits: the node set it holds, when one is due
             if placed is None:
                 reserved = await reserving.refresh(self.waiting, self.fit, step[1], demand)
@@ -642,8 +645,10 @@ class Placer:
             declared, beside = job.declared or sized.spec, self._beside_own(job)
             # the hold's end on the monotonic clock, from when ``now`` was read (not the plan's end)
             held_until = None if hold is None else began + (hold.until - now).total_seconds()
+            avoid_left = self.fit.avoidance_left(job, now) if avoid else None
+            avoided_until = None if avoid_left is None else began + avoid_left
             self.waiting.enter(
-                ref, declared, demand, beside, since, priority, bool(avoid), held_until, held
+                ref, declared, demand, beside, since, priority, avoided_until, held_until, held
             )
             took = self.fit.worker.last_seconds
             self._next_plan[ref.uid] = time.monotonic() + PLAN_SPACING * took

@@ -267,8 +267,8 @@ class Reconciler:
             retry = spaced if retry is None or spaced is None else min(retry, spaced)
         if (spaced_plan := self.placer.spaced_for(job.ref.uid)) is not None:
             retry = spaced_plan if retry is None else min(retry, spaced_plan)
-        if (hold_left := self.placer.waiting.hold_left(job.ref.uid)) is not None:
-            retry = hold_left if retry is None else min(retry, hold_left)
+        if (timed := self.placer.waiting.time_left(job.ref.uid)) is not None:
+            retry = timed if retry is None else min(retry, timed)  # a hold ends, a node returns
         if retry is not None:
             requeue = retry if requeue is None else min(requeue, retry)
         if any(isinstance(a, job_actions.PollProgress) for a in decision.actions):

@@ -41,7 +41,8 @@ class Counts:
         """The largest ratio reached so far (``metrics.REPLANS_PER_ADMISSION_MAX``)."""
 
     def admitted(self, key: Key) -> None:
-        """A capacity change the wake-up rule says could admit the waiting job ``key``."""
+        """A capacity change the wake-up rule says could admit the waiting job ``key`` (or the
+        nodes it may use changed with time: ``waiting.Queue.time_changed``)."""
         self.jobs.setdefault(key, Tally()).admissions += 1
         metrics.REPLAN_ADMISSIONS.inc()
 

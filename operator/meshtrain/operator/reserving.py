@@ -30,8 +30,9 @@ logger = logging.getLogger("meshtrain.operator")
 async def refresh(
     queue: waiting.Queue, fit: gang_fit.GangFit, job: job_state.JobState, demand: feasibility.Demand
 ) -> reservation.Reservation | None:
-    """Plan the node set kept for ``job``, whose plan placed nothing, when it holds the
-    reservation and a plan is due (the new reservation; None: none was due).
+    """Plan the node set kept for ``job``, whose last plan placed nothing, when it holds the
+    reservation and a plan is due (the new reservation; None: none was due).  Its gang is not
+    planned for this: only a change that could admit it plans that (``waiting.Queue.unchanged``).
 
     Planned at its smallest allowed size (the plan tries larger ones first, and takes any that
     fits), on the nodes it may use, with the GPUs of meshtrain's own pods counted free.  No place

@@ -11,8 +11,11 @@ its slots, counted for that job.
 
 A capacity-change sequence number (:meth:`Queue.capacity_changed`) is recorded when a job's plan
 starts (:meth:`Queue.planning`): a periodic resync plans a waiting job again only if a change came
-since (:meth:`Queue.unchanged`) or the wake-up rule admits it, and a job whose plan raced a
-change is woken once it is marked waiting (:meth:`Queue.missed`).
+since and the wake-up rule admits it (:meth:`Queue.unchanged`), or the nodes it may use changed
+with time alone (a hold for one domain ended, a node it avoided came back:
+:meth:`Queue.time_changed`); a job whose plan raced a change is woken once it is marked waiting
+(:meth:`Queue.missed`).  The reservation's holder has its node set planned when due
+(``reserving.refresh``) without a plan of its gang.
 """
 
 from __future__ import annotations
@@ -81,8 +84,10 @@ class Queue:
         """Capacity changes told to this queue (:meth:`capacity_changed`)."""
         self._planned: dict[str, tuple[int, int, str | None]] = {}
         """UID -> (:attr:`seq`, generation, holder UID) when its last plan started."""
-        self._timed: set[str] = set()
-        """UIDs whose last plan left out nodes for a time: a resync may plan them with no change."""
+        self._avoided: dict[str, float] = {}
+        """UID -> monotonic time the first node its last plan left out for a while (replaced
+        stragglers, scheduler refusals) may take its pods again: a pass then plans it with no
+        capacity change."""
         self._holds: dict[str, tuple[float, frozenset[str]]] = {}
         """UID -> (monotonic time its last plan's hold for one domain ends, the held levels'
         labels) (``topology_hold``): until then a change wakes it only where one domain of each
@@ -142,12 +147,12 @@ class Queue:
         if ref.uid not in self.entries or ref.uid in self.kueue:
             return False  # Kueue's admissions and reassignments wake its jobs: they plan
         planned = self._planned.get(ref.uid)
-        if planned is None or planned[1] != generation or self.reservation_due(ref.uid):
+        if planned is None or planned[1] != generation:
             return False
-        if self._holds.get(ref.uid, (float("inf"),))[0] <= time.monotonic():
-            return False  # a preferred level held it until now: plan it without
+        if self.time_changed(ref.uid):
+            return False  # a hold ended or an avoided node is back: what it may use changed
         holder = self._holder_uid()
-        if (planned[0], planned[2]) == (self.seq, holder) and ref.uid not in self._timed:
+        if (planned[0], planned[2]) == (self.seq, holder):
             return True  # its last plan saw this very capacity: it would place nothing again
         mark = (self.seq, generation, holder)  # the verdict changes with capacity or the holder
         known = self._verdicts.get(ref.uid)
@@ -163,7 +168,7 @@ class Queue:
         unknown: bool = False,
         since: float | None = None,
         priority: int = 0,
-        avoided: bool = False,
+        avoided_until: float | None = None,
         held_until: float | None = None,
         held_in: frozenset[str] = frozenset(),
     ) -> capacity_queue.Waiting:
@@ -171,8 +176,9 @@ class Queue:
 
         ``unknown``: slot counts do not bound its plan (it re-places beside its own pods);
         ``since``: when it began to wait (``reservation.since_of``; None: now), ``priority``: its
-        PriorityClass value; ``avoided``: its plan left out nodes for a while (stragglers,
-        scheduler refusals), whose exclusion ends with time, not with a capacity change;
+        PriorityClass value; ``avoided_until``: monotonic time the first node its plan left out
+        for a while (stragglers, scheduler refusals) may take its pods again, an exclusion that
+        ends with time, not with a capacity change;
         ``held_until``: monotonic time a preferred level stops holding it for one domain, one
         of each of the ``held_in`` labels.
         """
@@ -206,10 +212,10 @@ class Queue:
         else:
             self._holds[ref.uid] = (held_until, held_in)
         self._verdicts.pop(ref.uid, None)  # judged under the hold it had, if any
-        if avoided:
-            self._timed.add(ref.uid)
+        if avoided_until is None:
+            self._avoided.pop(ref.uid, None)
         else:
-            self._timed.discard(ref.uid)
+            self._avoided[ref.uid] = avoided_until
         if found is not None:
             self._prune(found.need.shape)
         return entry
@@ -221,7 +227,7 @@ class Queue:
         self.kueue.discard(ref.uid)
         self._planned.pop(ref.uid, None)
         self._verdicts.pop(ref.uid, None)
-        self._timed.discard(ref.uid)
+        self._avoided.pop(ref.uid, None)
         self._holds.pop(ref.uid, None)
         if self._uids.get((ref.namespace, ref.name)) == ref.uid:
             del self._uids[(ref.namespace, ref.name)]
@@ -326,11 +332,23 @@ class Queue:
             for key in held_back.values():
                 self.cache.waker.poke(key)
 
-    def hold_left(self, uid: str) -> float | None:
-        """Seconds until a preferred level stops holding waiting job ``uid`` (None: no hold, or it
-        ended: the pass owed then plans it)."""
-        left = self._holds.get(uid, (0.0,))[0] - time.monotonic()
-        return left if left > 0 else None
+    def _time_change(self, uid: str) -> float | None:
+        """Monotonic time the nodes waiting job ``uid`` may use change with no capacity change:
+        a preferred level's hold ends, or a node its plan avoided comes back (None: never)."""
+        ends = (self._holds.get(uid, (None,))[0], self._avoided.get(uid))
+        return min((t for t in ends if t is not None), default=None)
+
+    def time_changed(self, uid: str) -> bool:
+        """Whether that time (:meth:`_time_change`) has come since job ``uid``'s last plan: a
+        change that could admit it, as a capacity change could (one plan is owed)."""
+        at = self._time_change(uid)
+        return at is not None and at <= time.monotonic()
+
+    def time_left(self, uid: str) -> float | None:
+        """Seconds until that time (None: no such time, or it came: the pass owed plans it)."""
+        at = self._time_change(uid)
+        left = None if at is None else at - time.monotonic()
+        return left if left is not None and left > 0 else None
 
     def hold_back(self, ref: identity.JobRef) -> float:
         """Hold job ``ref``'s plan back while :meth:`unsettled`: it is woken when the last job

@@ -511,12 +511,17 @@ class OperatorProcess:
 
 @contextlib.contextmanager
 def operated(
-    control_plane_binaries: Any, log_path: str, resync_seconds: float
+    control_plane_binaries: Any,
+    log_path: str,
+    resync_seconds: float,
+    env: dict[str, str] | None = None,
 ) -> Iterator[tuple[Cluster, OperatorProcess]]:
     """A private control plane and an operator process on it (``resync_seconds`` between passes
-    at most), stopped at the end."""
+    at most; ``env``: its environment beside the test's), stopped at the end."""
     with Cluster.private(control_plane_binaries) as cluster:
-        operator = OperatorProcess(cluster.kubeconfig, log_path, resync_seconds=resync_seconds)
+        operator = OperatorProcess(
+            cluster.kubeconfig, log_path, env=env, resync_seconds=resync_seconds
+        )
         operator.start()
         try:
             yield cluster, operator

@@ -53,6 +53,45 @@ def test_a_waiting_job_is_planned_only_for_a_change_that_could_admit_it(
         assert _sample(operator, "_max") == 1.0
 
 
+def test_the_reservation_s_holder_gets_its_node_set_without_a_plan_of_its_gang(
+    control_plane_binaries, tmp_path
+):
+    """A job that waited past ``--reserve-after-seconds`` holds the reservation: its node set is
+    planned (no capacity change could place its gang, so the gang is not planned again); the
+    change that makes room places it with one plan."""
+    log = str(tmp_path / "operator.log")
+    env = {"MESHTRAIN_RESERVE_AFTER_SECONDS": "2"}
+    with operated(control_plane_binaries, log, resync_seconds=1, env=env) as (cluster, operator):
+        namespace, pool = f"hold-{uuid.uuid4().hex[:6]}", f"p{uuid.uuid4().hex[:6]}"
+        cluster.core.create_namespace({"metadata": {"name": namespace}})
+        for _ in range(2):
+            cluster.add_node(pool, gpus=8)
+        cluster.apply(JobBuilder("filler", namespace, pool).layout(data=8).gpus(8))  # one node
+        cluster.wait_gang(namespace, "filler", 1)
+        cluster.apply(JobBuilder("big", namespace, pool).layout(data=16).gpus(8))  # 2 x 8 GPUs
+        wait_for(  # it would fit with meshtrain's own pods gone: it may hold the reservation
+            "Placed=False for want of GPUs",
+            lambda: (
+                cluster.condition(namespace, "big", "Placed").get("reason") == "InsufficientGPUs"
+            ),
+        )
+        replans = _replans(operator, namespace)
+        wait_for("its node set planned", lambda: _reservation_plans(operator, namespace) >= 1, 30)
+        time.sleep(2.0)  # two resyncs more, the holder's among them
+        assert _replans(operator, namespace) == replans  # its node set, not its gang
+        cluster.add_node(pool, gpus=8)  # room for the gang
+        cluster.wait_gang(namespace, "big", 2)
+        assert _replans(operator, namespace) == replans + 1  # by that one plan
+        wait_for("the job's count closed", lambda: _sample(operator, "_count") == 1.0)
+        assert _sample(operator, "_max") == 1.0
+
+
+def _reservation_plans(operator: OperatorProcess, namespace: str) -> float:
+    """The operator's count of node-set plans of holders in ``namespace``."""
+    pattern = rf'^meshtrain_operator_reservation_plans_total\{{[^}}]*namespace="{namespace}"[^}}]*\}} (\S+)$'
+    return sum(float(v) for v in re.findall(pattern, operator.metrics(), re.M))
+
+
 def _waits_for_gpus(cluster: Cluster, namespace: str, pool: str, data: int) -> None:
     """A namespace, one 8-GPU node of ``pool`` and a job "big" of ``data`` x 8 GPUs that waits."""
     cluster.core.create_namespace({"metadata": {"name": namespace}})

@@ -87,7 +87,8 @@ REPLANS = prometheus_client.Counter(
 REPLAN_ADMISSIONS = prometheus_client.Counter(
     "meshtrain_operator_replan_admissions",
     "Wake-ups of a waiting job by a capacity change that could admit it (the wake-up rule's"
-    " admissions): what each re-plan should answer to.",
+    " admissions), and passes owed when the nodes it may use changed with time (a hold for one"
+    " domain ended, an avoided node came back): what each re-plan should answer to.",
 )
 REPLANS_PER_ADMISSION = prometheus_client.Histogram(
     "meshtrain_operator_replans_per_admission",

@@ -122,6 +122,14 @@ def excluded(record: Record | None, now: float) -> frozenset[str]:
     return frozenset(node for node, until in record.excluded.items() if until > now)
 
 
+def returns_in(record: Record | None, now: float) -> float | None:
+    """Seconds until the first node excluded now may take the job's pods again (None: none is)."""
+    if record is None:
+        return None
+    left = [until - now for until in record.excluded.values() if until > now]
+    return min(left, default=None)
+
+
 def message(nodes: Mapping[str, str]) -> str:
     """The condition's and Event's message for a re-placement after refusals."""
     said = "; ".join(f"{node}: {why}" for node, why in sorted(nodes.items()))

@@ -114,6 +114,21 @@ def excluded(status: Mapping[str, Any], now: datetime.datetime) -> frozenset[str
     return frozenset(found)
 
 
+def returns_in(status: Mapping[str, Any], now: datetime.datetime) -> float | None:
+    """Seconds until the first node excluded now may take the job's pods again (None: none
+    will: none is excluded, or only entries without a readable ``time``, excluded for good)."""
+    left = []
+    for entry in status.get("excludedNodes") or []:
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("node"), str):
+            continue
+        since = conditions.parse_time(entry.get("time"))
+        if since is not None:
+            remaining = EXCLUSION_SECONDS - (now - since).total_seconds()
+            if remaining > 0:
+                left.append(remaining)
+    return min(left, default=None)
+
+
 def _of_this_gang(straggler: Any, status: Mapping[str, Any]) -> bool:
     """Whether ``straggler`` was measured on the placed gang: its pod is on the node it names.
 
