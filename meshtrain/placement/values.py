@@ -71,6 +71,9 @@ class FabricLevel:
     pipeline stage's run of pods (the gang may span domains)."""
     weight: float | None = None
     """Cost of one byte crossing this level; None takes the default (see ``topology.weights``)."""
+    held: bool = False
+    """Required only for now: a preferred level whose ``waitSeconds`` hold the job's first
+    placement for one domain (what an unplaced gang's message says of it)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,6 +43,7 @@ def request_from_spec(
         values.FabricLevel(
             label=level.label,
             required=level.mode == "required" or level.label in held,
+            held=level.mode != "required" and level.label in held,
             scope=level.scope,
         )
         for level in job.topology.levels

@@ -105,6 +105,20 @@ def test_a_job_planned_once_per_admitting_change_stays_at_one_and_an_extra_plan_
     assert metrics.REPLANS_PER_ADMISSION_MAX._value.get() >= 2.0
 
 
+def test_a_change_of_time_counts_as_an_admission_unless_a_wake_up_already_did():
+    counts = replan_counts.Counts()
+    key = ("ns", "held")
+    counts.owed_to_time(key)  # its hold ended: the one change its next plan answers
+    counts.planned(key)
+    assert counts.jobs[key].admissions == 1 and counts.jobs[key].ratio() == 1.0
+    counts.admitted(key)  # a capacity change woke it, and its avoided node came back too
+    counts.owed_to_time(key)
+    counts.planned(key)  # one plan answers both: one admission, not two
+    assert counts.jobs[key].admissions == 2
+    counts.planned(key)  # so a plan with no change since still shows
+    assert counts.jobs[key].ratio() == 1.5
+
+
 def test_a_renewed_assumption_outlives_its_first_deadline_and_still_ends():
     cache = informer.Cache()
     cache.assume("job-a", [_pod("a-0", "n1")])

@@ -14,9 +14,18 @@ import pytest
 
 from meshtrain import placement
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import handlers, placement_lock, reserving, waiting
+from meshtrain.operator import gang_fit, handlers, placement_lock, reserving, waiting
 from meshtrain.operator.cluster import informer
-from meshtrain.operator.policy import capacity_queue, conditions, feasibility, identity, reservation
+from meshtrain.operator.policy import (
+    capacity_queue,
+    conditions,
+    feasibility,
+    identity,
+    job_state,
+    rescheduling,
+    reservation,
+    stragglers,
+)
 from meshtrain.planner import placement_request
 from tests.builders import JobBuilder
 
@@ -581,7 +590,7 @@ def test_a_job_whose_plan_left_out_nodes_for_a_while_is_planned_once_when_the_fi
 ) -> None:
     """A straggler's or a refused node's exclusion ends with time, not with a capacity change:
     until the first avoided node returns, no change means no plan (the reconciler requeues then);
-    then one pass plans it; a resync after that plan does not."""
+    then one pass plans it, owed to time; a resync after that plan does not."""
     _, queue, _ = _three_free_nodes(monkeypatch)
     ticks = [1000.0]
     monkeypatch.setattr(waiting.time, "monotonic", lambda: ticks[0])
@@ -592,11 +601,118 @@ def test_a_job_whose_plan_left_out_nodes_for_a_while_is_planned_once_when_the_fi
     assert queue.unchanged(ref, 1) is True and not queue.time_changed(ref.uid)
     assert queue.time_left(ref.uid) == 300.0
     ticks[0] += 300.0
-    assert queue.time_changed(ref.uid) and queue.time_left(ref.uid) is None
+    assert queue.time_changed(ref.uid)
+    assert queue.time_left(ref.uid) == waiting.TIME_CHANGE_RETRY_SECONDS  # owed, never at once
     assert queue.unchanged(ref, 1) is False  # the node is back: the pass owed now plans it
+    assert queue.owed_to_time(ref.uid) and not queue.owed_to_time(ref.uid)  # told once
+    assert queue.time_left(ref.uid) is None and queue.unchanged(ref, 1) is True  # judged once
     queue.planning(ref, 1)
     queue.enter(*fits)  # planned again without exclusions: back to the capacity rule
     assert queue.unchanged(ref, 1) is True and not queue.time_changed(ref.uid)
+
+
+def test_an_avoided_node_returns_when_the_last_rule_that_avoids_it_ends() -> None:
+    """``GangFit.avoided_until``: a node both refused by the scheduler and replaced as a
+    straggler returns at the later end; one excluded for good, or no longer in the cluster,
+    brings no change of time."""
+    cache = informer.Cache()
+    for name in ("a", "b", "forever"):
+        cache.nodes.upsert(_node(name))
+    fit = gang_fit.GangFit(cache, None, worker=None)  # type: ignore[arg-type]  # not planned
+    now = datetime.datetime(2026, 12, 1, tzinfo=datetime.UTC)
+    at = 500.0
+    since = now - datetime.timedelta(seconds=stragglers.EXCLUSION_SECONDS - 100)
+    body = JobBuilder("avoids", "ns").manifest()
+    body["metadata"]["uid"] = "uid-avoids"
+    body["status"] = {
+        "excludedNodes": [
+            {"node": "a", "reason": "Straggler", "time": conditions.timestamp(since)},
+            {"node": "forever", "reason": "Straggler"},  # no time: excluded for good
+            {"node": "gone", "reason": "Straggler", "time": conditions.timestamp(now)},
+        ]
+    }
+    job = job_state.read(body)
+    fit.refusals[job.ref.uid] = rescheduling.replaced(None, ["a", "b"], now=at - 240.0)
+    gpu = job.spec.resources.gpu_resource_name
+    refused_for = rescheduling.EXCLUDED_SECONDS - 240.0  # 60 s left of the refusal
+    assert fit.avoided_until(job, gpu, now, at) == at + min(100.0, refused_for)  # b: 60 s
+    del fit.refusals[job.ref.uid]
+    assert fit.avoided_until(job, gpu, now, at) == at + 100.0  # a, the straggler rule's
+    fit.refusals[job.ref.uid] = rescheduling.replaced(None, ["a"], now=at)  # 300 s > 100 s
+    assert fit.avoided_until(job, gpu, now, at) == at + rescheduling.EXCLUDED_SECONDS
+    body["status"]["excludedNodes"] = body["status"]["excludedNodes"][1:]
+    del fit.refusals[job.ref.uid]
+    assert fit.avoided_until(job_state.read(body), gpu, now, at) is None
+
+
+class _Waker:
+    """What the informer's waker is told."""
+
+    def __init__(self) -> None:
+        self.broad = 0
+
+    def poke(self, key: tuple[str, str]) -> None:
+        pass
+
+    def poke_waiting(self) -> None:
+        self.broad += 1
+
+    def poke_devices(self, nodes: frozenset[str] | None) -> None:
+        pass
+
+
+class _PlannedFit:
+    """A ``GangFit`` whose plan of the holder's node set picks ``self.nodes``."""
+
+    def __init__(self, cache: informer.Cache) -> None:
+        self.cache = cache
+        self.nodes: tuple[str, ...] = ()
+
+    def candidates(self, job: Any, gpu: str, now: Any) -> tuple[list, list, frozenset[str]]:
+        return [], [], frozenset()
+
+    async def plan_sizes(self, *_: Any, **__: Any) -> Any:
+        answer = placement.Placement(self.nodes, {}, 0.0, (), {})
+        return type("Sized", (), {"answer": answer})()
+
+
+def test_a_reservation_that_lets_nodes_go_wakes_the_waiting_jobs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The holder's node set planned again on other nodes: the nodes it let go may admit other
+    waiting jobs, so they are woken (a capacity change); a set that only grew or stayed wakes
+    nobody."""
+    cache, queue, clock = _three_free_nodes(monkeypatch)
+    waker = _Waker()
+    cache.waker = informer._Counted(cache, waker)
+    fit = _PlannedFit(cache)
+    large = _job("large", 4)
+    ref, spec, demand = large
+    queue.enter(*large)
+    clock[0] = capacity_queue.RESERVE_AFTER_SECONDS + 1
+    job = job_state.JobState(ref, 1, spec, (), {}, declared=spec)
+    for nodes, woken in ((("n0", "n1"), 0), (("n0", "n1", "n2"), 0), (("n2", "n3"), 1)):
+        fit.nodes = nodes
+        asyncio.run(reserving._plan(queue, fit, job, demand))  # type: ignore[arg-type]
+        assert queue.reserved_nodes() == frozenset(nodes) and waker.broad == woken
+
+
+def test_a_change_of_time_plans_only_where_the_counts_admit_the_job(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An avoided node's return (or a hold's end) is judged as a capacity change is: a job the
+    free slots cannot hold is not planned for it, and no plan is owed to it."""
+    _, queue, _ = _three_free_nodes(monkeypatch)  # 3 free slots
+    ticks = [1000.0]
+    monkeypatch.setattr(waiting.time, "monotonic", lambda: ticks[0])
+    large = _job("large", 4)
+    ref = large[0]
+    queue.planning(ref, 1)
+    queue.enter(*large, avoided_until=ticks[0] + 5.0, held_until=ticks[0] + 9.0)
+    assert queue.time_left(ref.uid) == 5.0  # the first of the two
+    ticks[0] += 10.0
+    assert queue.unchanged(ref, 1) is True and not queue.owed_to_time(ref.uid)
+    assert not queue.time_changed(ref.uid) and queue.time_left(ref.uid) is None
 
 
 def test_a_job_a_preferred_level_holds_is_planned_once_more_when_its_hold_ends(
@@ -614,8 +730,8 @@ def test_a_job_a_preferred_level_holds_is_planned_once_more_when_its_hold_ends(
     assert queue.unchanged(ref, 1) is True
     assert queue.time_left(ref.uid) == 30.0
     ticks[0] += 30.0
-    assert queue.time_left(ref.uid) is None  # no requeue at once, again and again
     assert queue.unchanged(ref, 1) is False  # the pass owed now plans it
+    assert queue.time_left(ref.uid) is None  # judged: no requeue at once, again and again
     queue.planning(ref, 1)
     queue.enter(*fits)  # planned without a hold: the capacity rule again
     assert queue.unchanged(ref, 1) is True

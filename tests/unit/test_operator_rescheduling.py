@@ -93,11 +93,11 @@ def test_re_placements_are_spaced_and_refused_nodes_left_out_for_a_while():
     assert rescheduling.wait(second, 110.0) == 2 * rescheduling.SPACING_SECONDS
     assert rescheduling.excluded(second, 111.0) == {"a", "b"}
     later = 100.0 + rescheduling.EXCLUDED_SECONDS
-    assert rescheduling.returns_in(second, 111.0) == later - 111.0  # "a" comes back first
+    assert rescheduling.returns_in(second, 111.0) == {"a": later - 111.0, "b": later - 101.0}
     assert rescheduling.excluded(second, later) == {"b"}
-    assert rescheduling.returns_in(second, later) == 10.0  # then "b", excluded at 110
-    assert rescheduling.returns_in(second, later + 10.0) is None
-    assert rescheduling.returns_in(None, later) is None
+    assert rescheduling.returns_in(second, later) == {"b": 10.0}  # excluded at 110
+    assert rescheduling.returns_in(second, later + 10.0) == {}
+    assert rescheduling.returns_in(None, later) == {}
     many = second
     for _ in range(20):
         many = rescheduling.replaced(many, ["b"], now=later)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -202,9 +203,9 @@ def test_an_excluded_node_is_chosen_again_after_the_exclusion_expires():
         ]
     }
     assert stragglers.excluded(status, at(ttl - 1)) == {"n1", "n2"}
-    assert stragglers.returns_in(status, at(ttl - 1)) == 1.0  # n1 then; n2 never by time
+    assert stragglers.returns_in(status, at(ttl - 1)) == {"n1": 1.0, "n2": math.inf}
     assert stragglers.excluded(status, at(ttl)) == {"n2"}
-    assert stragglers.returns_in(status, at(ttl)) is None
+    assert stragglers.returns_in(status, at(ttl)) == {"n2": math.inf}
     # Expired, the node may be replaced again if it is slow again (within maxReplacements).
     state = job(
         spec_raw("replace"),

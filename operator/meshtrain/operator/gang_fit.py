@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -64,24 +65,36 @@ class GangFit:
         gpu: str,
         now: datetime.datetime,
         also_avoid: frozenset[str] = frozenset(),
+        at: float | None = None,
     ) -> tuple[list[dict[str, Any]], list[placement.Node], frozenset[str]]:
-        """The nodes a placement of ``job`` may use at ``now`` (raw, and as the planner sees them),
-        and the nodes it avoids (replaced stragglers, scheduler refusals)."""
+        """The nodes a placement of ``job`` may use at ``now`` (``at`` on the monotonic clock;
+        None: read now) (raw, and as the planner sees them), and the nodes it avoids (replaced
+        stragglers, scheduler refusals)."""
         raw_nodes, nodes = self._nodes(gpu)
-        refused = rescheduling.excluded(self.refusals.get(job.ref.uid), time.monotonic())
+        at = time.monotonic() if at is None else at
+        refused = rescheduling.excluded(self.refusals.get(job.ref.uid), at)
         avoid = stragglers.excluded(job.status, now) | refused | also_avoid
         if avoid:
             raw_nodes = [n for n in raw_nodes if n["metadata"]["name"] not in avoid]
             nodes = [n for n in nodes if n.name not in avoid]
         return raw_nodes, nodes, avoid
 
-    def avoidance_left(self, job: job_state.JobState, now: datetime.datetime) -> float | None:
-        """Seconds until the first node :meth:`candidates` avoids for ``job`` may take its pods
-        again (None: none will by time alone): its plan's candidates change then, with no
-        capacity change."""
-        refused = rescheduling.returns_in(self.refusals.get(job.ref.uid), time.monotonic())
+    def avoided_until(
+        self, job: job_state.JobState, gpu: str, now: datetime.datetime, at: float
+    ) -> float | None:
+        """Monotonic time the first node :meth:`candidates` avoided for ``job`` at ``now`` (``at``
+        on the monotonic clock) may take its pods again: the latest end of the rules that avoid
+        it, for a node that exists (None: none will by time alone).  The plan's candidates change
+        then, with no capacity change."""
+        refused = rescheduling.returns_in(self.refusals.get(job.ref.uid), at)
         replaced = stragglers.returns_in(job.status, now)
-        return min((t for t in (refused, replaced) if t is not None), default=None)
+        present = {node["metadata"]["name"] for node in self._nodes(gpu)[0]}
+        ends = [
+            max(refused.get(node, 0.0), replaced.get(node, 0.0))
+            for node in (refused.keys() | replaced.keys()) & present
+        ]
+        left = min((end for end in ends if end != math.inf), default=None)
+        return None if left is None else at + left
 
     async def fits_without(
         self,

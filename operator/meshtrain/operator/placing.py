@@ -477,8 +477,8 @@ class Placer:
             if self.waiting.unchanged(ref, job.generation):  # a resync: nothing new to plan on
                 step, placed = (body, job, False), None  # its node set may still be due
             else:
-                if self.waiting.time_changed(ref.uid):  # no capacity change, but one all the same
-                    self.replans.admitted((ref.namespace, ref.name))
+                if self.waiting.owed_to_time(ref.uid):  # no capacity change, but one all the same
+                    self.replans.owed_to_time((ref.namespace, ref.name))
                 self.waiting.planning(ref, job.generation)
                 step, placed = await self._place_gang(
                     action.attempt, body, job, template, where, claim, action.topology, priority
@@ -602,7 +602,8 @@ class Placer:
         started = time.perf_counter()
         now, began = clock.now(), time.monotonic()
         gpu = job.spec.resources.gpu_resource_name
-        raw_nodes, nodes, avoid = self.fit.candidates(job, gpu, now)
+        raw_nodes, nodes, avoid = self.fit.candidates(job, gpu, now, at=began)
+        avoided_until = self.fit.avoided_until(job, gpu, now, began) if avoid else None
         demand = feasibility.demand_of(template)
         hold = self._hold(job, raw_nodes, demand, now)
         held = frozenset() if hold is None else hold.labels
@@ -645,8 +646,6 @@ class Placer:
             declared, beside = job.declared or sized.spec, self._beside_own(job)
             # the hold's end on the monotonic clock, from when ``now`` was read (not the plan's end)
             held_until = None if hold is None else began + (hold.until - now).total_seconds()
-            avoid_left = self.fit.avoidance_left(job, now) if avoid else None
-            avoided_until = None if avoid_left is None else began + avoid_left
             self.waiting.enter(
                 ref, declared, demand, beside, since, priority, avoided_until, held_until, held
             )

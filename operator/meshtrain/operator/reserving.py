@@ -66,7 +66,9 @@ async def _plan(
     answer = None if sized is None else sized.answer
     kept = frozenset(answer.nodes) if isinstance(answer, placement.Placement) else frozenset()
     planned = reservation.Reservation(ref.uid, kept, queue.basis(), time.monotonic())
-    queue.reservation = planned
+    before, queue.reservation = queue.reservation, planned
+    if before is not None and before.nodes - kept:  # nodes other waiting jobs may take again
+        queue.cache.waker.poke_waiting()
     if sized is not None and not kept:
         queue.unfit(ref.uid)
         logger.info(

@@ -37,6 +37,8 @@ from meshtrain.operator.policy import (
 
 Key = tuple[str, str]
 """(namespace, name) of a job."""
+TIME_CHANGE_RETRY_SECONDS = 1.0
+"""The soonest requeue for a change of time that came before a pass judged it."""
 MAX_SHAPES = 64
 """Distinct pod shapes whose free slots are counted; a job of any further shape is unknown (woken)."""
 
@@ -92,6 +94,8 @@ class Queue:
         """UID -> (monotonic time its last plan's hold for one domain ends, the held levels'
         labels) (``topology_hold``): until then a change wakes it only where one domain of each
         held level has its slots; then a pass plans it with no change, across domains if need be."""
+        self._owed: set[str] = set()
+        """UIDs whose next plan answers a change of time alone (:meth:`owed_to_time`)."""
         self._verdicts: dict[str, tuple[tuple[int, int, str | None], bool]] = {}
         """UID -> ((:attr:`seq`, generation, holder UID), whether :meth:`unchanged`): the free
         slots are counted once per change, not at every resync."""
@@ -141,24 +145,39 @@ class Queue:
 
     def unchanged(self, ref: identity.JobRef, generation: int) -> bool:
         """Whether this waiting job needs no plan: the same generation as its last plan, and
-        either nothing changed since (capacity and the reservation's holder) or the wake-up rule
-        does not admit it on the capacity there is now: only a change that could admit it plans
-        (issue #36's one plan per admitting change)."""
+        either nothing changed since (capacity, the reservation's holder, and with time alone:
+        a hold's end, an avoided node's return) or the wake-up rule does not admit it on the
+        capacity there is now: only a change that could admit it plans (issue #36's one plan per
+        admitting change).  A reservation's holder whose node set is due has it planned by
+        ``reserving.refresh`` all the same."""
         if ref.uid not in self.entries or ref.uid in self.kueue:
             return False  # Kueue's admissions and reassignments wake its jobs: they plan
         planned = self._planned.get(ref.uid)
         if planned is None or planned[1] != generation:
             return False
-        if self.time_changed(ref.uid):
-            return False  # a hold ended or an avoided node is back: what it may use changed
+        timed = self.time_changed(ref.uid)
+        if timed:  # a hold ended or an avoided node is back: judged again, as after a change
+            self._holds.pop(ref.uid, None)
+            self._avoided.pop(ref.uid, None)
+            self._verdicts.pop(ref.uid, None)
         holder = self._holder_uid()
-        if (planned[0], planned[2]) == (self.seq, holder):
+        if not timed and (planned[0], planned[2]) == (self.seq, holder):
             return True  # its last plan saw this very capacity: it would place nothing again
         mark = (self.seq, generation, holder)  # the verdict changes with capacity or the holder
         known = self._verdicts.get(ref.uid)
         if known is None or known[0] != mark:
             known = self._verdicts[ref.uid] = (mark, not self.wake([(ref.namespace, ref.name)]))
+        if timed and not known[1]:
+            self._owed.add(ref.uid)
         return known[1]
+
+    def owed_to_time(self, uid: str) -> bool:
+        """Whether the plan of job ``uid`` about to start answers a change of time alone that the
+        wake-up rule admits (:meth:`unchanged`); asked once per such change."""
+        if uid in self._owed:
+            self._owed.discard(uid)
+            return True
+        return False
 
     def enter(
         self,
@@ -228,6 +247,7 @@ class Queue:
         self._planned.pop(ref.uid, None)
         self._verdicts.pop(ref.uid, None)
         self._avoided.pop(ref.uid, None)
+        self._owed.discard(ref.uid)
         self._holds.pop(ref.uid, None)
         if self._uids.get((ref.namespace, ref.name)) == ref.uid:
             del self._uids[(ref.namespace, ref.name)]
@@ -339,16 +359,18 @@ class Queue:
         return min((t for t in ends if t is not None), default=None)
 
     def time_changed(self, uid: str) -> bool:
-        """Whether that time (:meth:`_time_change`) has come since job ``uid``'s last plan: a
-        change that could admit it, as a capacity change could (one plan is owed)."""
+        """Whether that time (:meth:`_time_change`) has come and no pass judged it yet
+        (:meth:`unchanged` judges it as a capacity change is judged, once)."""
         at = self._time_change(uid)
         return at is not None and at <= time.monotonic()
 
     def time_left(self, uid: str) -> float | None:
-        """Seconds until that time (None: no such time, or it came: the pass owed plans it)."""
+        """Seconds until a pass is owed for that time (None: no such time); a time that came
+        while no pass judged it (it came during the plan) is owed after
+        :data:`TIME_CHANGE_RETRY_SECONDS`, never at once: a pass that plans nothing for another
+        reason must not loop."""
         at = self._time_change(uid)
-        left = None if at is None else at - time.monotonic()
-        return left if left is not None and left > 0 else None
+        return None if at is None else max(at - time.monotonic(), TIME_CHANGE_RETRY_SECONDS)
 
     def hold_back(self, ref: identity.JobRef) -> float:
         """Hold job ``ref``'s plan back while :meth:`unsettled`: it is woken when the last job

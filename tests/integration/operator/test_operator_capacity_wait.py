@@ -60,7 +60,7 @@ def test_the_reservation_s_holder_gets_its_node_set_without_a_plan_of_its_gang(
     planned (no capacity change could place its gang, so the gang is not planned again); the
     change that makes room places it with one plan."""
     log = str(tmp_path / "operator.log")
-    env = {"MESHTRAIN_RESERVE_AFTER_SECONDS": "2"}
+    env = {"MESHTRAIN_RESERVE_AFTER_SECONDS": "4"}
     with operated(control_plane_binaries, log, resync_seconds=1, env=env) as (cluster, operator):
         namespace, pool = f"hold-{uuid.uuid4().hex[:6]}", f"p{uuid.uuid4().hex[:6]}"
         cluster.core.create_namespace({"metadata": {"name": namespace}})
@@ -76,6 +76,8 @@ def test_the_reservation_s_holder_gets_its_node_set_without_a_plan_of_its_gang(
             ),
         )
         replans = _replans(operator, namespace)
+        assert _reservation_plans(operator, namespace) == 0  # it may not hold yet: the count
+        # below is of the passes after it does
         wait_for("its node set planned", lambda: _reservation_plans(operator, namespace) >= 1, 30)
         time.sleep(2.0)  # two resyncs more, the holder's among them
         assert _replans(operator, namespace) == replans  # its node set, not its gang

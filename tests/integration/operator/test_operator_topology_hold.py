@@ -101,6 +101,8 @@ def test_a_held_gang_waits_for_one_rack_and_is_spread_only_once_its_hold_runs_ou
         held = cluster.wait_reason(namespace, "freed", "Placed", "TopologyUnsatisfiable")
         assert RACK in held["message"] and "held inside one domain" in held["message"]
         assert "waitSeconds 600) until" in held["message"], held["message"]
+        assert "domain (held to one for now)" in held["message"], held["message"]
+        assert "(required)" not in held["message"]  # preferred: it waits, it is not refused
         assert cluster.pods(namespace, "freed") == []
 
         # the tenant leaves rack r0 of "freed": the wake-up places the gang inside it

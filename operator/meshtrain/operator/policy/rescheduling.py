@@ -117,17 +117,14 @@ def replaced(record: Record | None, nodes: Iterable[str], now: float) -> Record:
 
 def excluded(record: Record | None, now: float) -> frozenset[str]:
     """Nodes the job is not placed on now."""
-    if record is None:
-        return frozenset()
-    return frozenset(node for node, until in record.excluded.items() if until > now)
+    return frozenset(returns_in(record, now))
 
 
-def returns_in(record: Record | None, now: float) -> float | None:
-    """Seconds until the first node excluded now may take the job's pods again (None: none is)."""
+def returns_in(record: Record | None, now: float) -> dict[str, float]:
+    """Seconds until each node excluded at ``now`` may take the job's pods again."""
     if record is None:
-        return None
-    left = [until - now for until in record.excluded.values() if until > now]
-    return min(left, default=None)
+        return {}
+    return {node: until - now for node, until in record.excluded.items() if until > now}
 
 
 def message(nodes: Mapping[str, str]) -> str:

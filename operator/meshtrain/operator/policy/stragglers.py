@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -104,29 +105,21 @@ def excluded(status: Mapping[str, Any], now: datetime.datetime) -> frozenset[str
     An entry without a readable ``time`` stays excluded.  Expired entries stay in
     ``status.excludedNodes`` as the record of the replacement.
     """
-    found = set()
+    return frozenset(returns_in(status, now))
+
+
+def returns_in(status: Mapping[str, Any], now: datetime.datetime) -> dict[str, float]:
+    """Seconds until each node excluded at ``now`` may take the job's pods again (``math.inf``:
+    an entry without a readable ``time``, excluded for good)."""
+    left: dict[str, float] = {}
     for entry in status.get("excludedNodes") or []:
         if not isinstance(entry, Mapping) or not isinstance(entry.get("node"), str):
             continue
         since = conditions.parse_time(entry.get("time"))
-        if since is None or (now - since).total_seconds() < EXCLUSION_SECONDS:
-            found.add(entry["node"])
-    return frozenset(found)
-
-
-def returns_in(status: Mapping[str, Any], now: datetime.datetime) -> float | None:
-    """Seconds until the first node excluded now may take the job's pods again (None: none
-    will: none is excluded, or only entries without a readable ``time``, excluded for good)."""
-    left = []
-    for entry in status.get("excludedNodes") or []:
-        if not isinstance(entry, Mapping) or not isinstance(entry.get("node"), str):
-            continue
-        since = conditions.parse_time(entry.get("time"))
-        if since is not None:
-            remaining = EXCLUSION_SECONDS - (now - since).total_seconds()
-            if remaining > 0:
-                left.append(remaining)
-    return min(left, default=None)
+        remaining = math.inf if since is None else EXCLUSION_SECONDS - (now - since).total_seconds()
+        if remaining > 0:
+            left[entry["node"]] = max(remaining, left.get(entry["node"], 0.0))
+    return left
 
 
 def _of_this_gang(straggler: Any, status: Mapping[str, Any]) -> bool:
