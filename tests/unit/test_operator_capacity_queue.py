@@ -28,6 +28,7 @@ from meshtrain.operator.policy import (
 )
 from meshtrain.planner import placement_request
 from tests.builders import JobBuilder
+from tests.unit import test_operator_informer
 
 GPU = "nvidia.com/gpu"
 
@@ -645,22 +646,6 @@ def test_an_avoided_node_returns_when_the_last_rule_that_avoids_it_ends() -> Non
     assert fit.avoided_until(job_state.read(body), gpu, now, at) is None
 
 
-class _Waker:
-    """What the informer's waker is told."""
-
-    def __init__(self) -> None:
-        self.broad = 0
-
-    def poke(self, key: tuple[str, str]) -> None:
-        pass
-
-    def poke_waiting(self) -> None:
-        self.broad += 1
-
-    def poke_devices(self, nodes: frozenset[str] | None) -> None:
-        pass
-
-
 class _PlannedFit:
     """A ``GangFit`` whose plan of the holder's node set picks ``self.nodes``."""
 
@@ -683,8 +668,8 @@ def test_a_reservation_that_lets_nodes_go_wakes_the_waiting_jobs(
     waiting jobs, so they are woken (a capacity change); a set that only grew or stayed wakes
     nobody."""
     cache, queue, clock = _three_free_nodes(monkeypatch)
-    waker = _Waker()
-    cache.waker = informer._Counted(cache, waker)
+    waker = test_operator_informer._Counting()
+    cache.waker = informer._Counted(cache, waker)  # type: ignore[arg-type]
     fit = _PlannedFit(cache)
     large = _job("large", 4)
     ref, spec, demand = large
@@ -694,7 +679,7 @@ def test_a_reservation_that_lets_nodes_go_wakes_the_waiting_jobs(
     for nodes, woken in ((("n0", "n1"), 0), (("n0", "n1", "n2"), 0), (("n2", "n3"), 1)):
         fit.nodes = nodes
         asyncio.run(reserving._plan(queue, fit, job, demand))  # type: ignore[arg-type]
-        assert queue.reserved_nodes() == frozenset(nodes) and waker.broad == woken
+        assert queue.reserved_nodes() == frozenset(nodes) and waker.waiting == woken
 
 
 def test_a_change_of_time_plans_only_where_the_counts_admit_the_job(
