@@ -28,7 +28,6 @@ from meshtrain.operator.policy import (
 )
 from meshtrain.planner import placement_request
 from tests.builders import JobBuilder
-from tests.unit import test_operator_informer
 
 GPU = "nvidia.com/gpu"
 
@@ -598,7 +597,7 @@ def test_a_job_whose_plan_left_out_nodes_for_a_while_is_planned_once_when_the_fi
     fits = _job("fits", 2)
     ref = fits[0]
     queue.planning(ref, 1)
-    queue.enter(*fits, avoided_until=ticks[0] + 300.0)
+    queue.enter(*fits, avoided_until=(ticks[0] + 300.0, frozenset({"n1"})))
     assert queue.unchanged(ref, 1) is True and not queue.time_changed(ref.uid)
     assert queue.time_left(ref.uid) == 300.0
     ticks[0] += 300.0
@@ -636,11 +635,12 @@ def test_an_avoided_node_returns_when_the_last_rule_that_avoids_it_ends() -> Non
     fit.refusals[job.ref.uid] = rescheduling.replaced(None, ["a", "b"], now=at - 240.0)
     gpu = job.spec.resources.gpu_resource_name
     refused_for = rescheduling.EXCLUDED_SECONDS - 240.0  # 60 s left of the refusal
-    assert fit.avoided_until(job, gpu, now, at) == at + min(100.0, refused_for)  # b: 60 s
+    assert refused_for < 100.0
+    assert fit.avoided_until(job, gpu, now, at) == (at + refused_for, {"b"})
     del fit.refusals[job.ref.uid]
-    assert fit.avoided_until(job, gpu, now, at) == at + 100.0  # a, the straggler rule's
+    assert fit.avoided_until(job, gpu, now, at) == (at + 100.0, {"a"})  # the straggler rule's
     fit.refusals[job.ref.uid] = rescheduling.replaced(None, ["a"], now=at)  # 300 s > 100 s
-    assert fit.avoided_until(job, gpu, now, at) == at + rescheduling.EXCLUDED_SECONDS
+    assert fit.avoided_until(job, gpu, now, at) == (at + rescheduling.EXCLUDED_SECONDS, {"a"})
     body["status"]["excludedNodes"] = body["status"]["excludedNodes"][1:]
     del fit.refusals[job.ref.uid]
     assert fit.avoided_until(job_state.read(body), gpu, now, at) is None
@@ -661,25 +661,34 @@ class _PlannedFit:
         return type("Sized", (), {"answer": answer})()
 
 
-def test_a_reservation_that_lets_nodes_go_wakes_the_waiting_jobs(
+def test_a_reservation_that_lets_nodes_go_has_the_other_waiting_jobs_judged_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The holder's node set planned again on other nodes: the nodes it let go may admit other
-    waiting jobs, so they are woken (a capacity change); a set that only grew or stayed wakes
-    nobody."""
-    cache, queue, clock = _three_free_nodes(monkeypatch)
-    waker = test_operator_informer._Counting()
-    cache.waker = informer._Counted(cache, waker)  # type: ignore[arg-type]
+    """The holder's node set planned again on other nodes: a job the released node can take is
+    planned at its next pass; the holder itself is not (its plan could use its nodes all along),
+    and a node set that only grew releases nothing."""
+    cache, queue, clock = _three_free_nodes(monkeypatch)  # n0 busy; n1-n3 free
     fit = _PlannedFit(cache)
-    large = _job("large", 4)
-    ref, spec, demand = large
+    large, small = _job("large", 4), _job("small", 1)
     queue.enter(*large)
     clock[0] = capacity_queue.RESERVE_AFTER_SECONDS + 1
-    job = job_state.JobState(ref, 1, spec, (), {}, declared=spec)
-    for nodes, woken in ((("n0", "n1"), 0), (("n0", "n1", "n2"), 0), (("n2", "n3"), 1)):
+    job = job_state.JobState(large[0], 1, large[1], (), {}, declared=large[1])
+
+    def reserve(*nodes: str) -> None:
         fit.nodes = nodes
-        asyncio.run(reserving._plan(queue, fit, job, demand))  # type: ignore[arg-type]
-        assert queue.reserved_nodes() == frozenset(nodes) and waker.waiting == woken
+        asyncio.run(reserving._plan(queue, fit, job, large[2]))  # type: ignore[arg-type]
+        assert queue.reserved_nodes() == frozenset(nodes)
+
+    reserve("n1", "n2", "n3")
+    for ref, *_ in (large, small):
+        queue.planning(ref, 1)
+    queue.enter(*small)  # no free node outside the reserved ones
+    assert queue.unchanged(small[0], 1) and queue.unchanged(large[0], 1)
+    reserve("n0", "n1", "n2", "n3")  # grew: nothing released
+    assert queue.unchanged(small[0], 1) and queue.unchanged(large[0], 1)
+    reserve("n0", "n1", "n2")  # n3 let go
+    assert not queue.unchanged(small[0], 1)  # n3 is free: one plan
+    assert queue.unchanged(large[0], 1)
 
 
 def test_a_change_of_time_plans_only_where_the_counts_admit_the_job(
@@ -693,11 +702,33 @@ def test_a_change_of_time_plans_only_where_the_counts_admit_the_job(
     large = _job("large", 4)
     ref = large[0]
     queue.planning(ref, 1)
-    queue.enter(*large, avoided_until=ticks[0] + 5.0, held_until=ticks[0] + 9.0)
+    queue.enter(
+        *large, avoided_until=(ticks[0] + 5.0, frozenset({"n1"})), held_until=ticks[0] + 9.0
+    )
     assert queue.time_left(ref.uid) == 5.0  # the first of the two
-    ticks[0] += 10.0
+    ticks[0] += 5.0
+    assert queue.unchanged(ref, 1) is True and not queue.owed_to_time(ref.uid)
+    assert queue.time_left(ref.uid) == 4.0  # judged the node's return; the hold still runs
+    ticks[0] += 4.0
     assert queue.unchanged(ref, 1) is True and not queue.owed_to_time(ref.uid)
     assert not queue.time_changed(ref.uid) and queue.time_left(ref.uid) is None
+
+
+def test_an_avoided_node_that_comes_back_full_owes_no_plan(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The free slots would admit the job, but the node that came back has no room for a pod
+    of it: its return changes nothing the plan could use."""
+    _, queue, _ = _three_free_nodes(monkeypatch)  # n0 busy
+    ticks = [1000.0]
+    monkeypatch.setattr(waiting.time, "monotonic", lambda: ticks[0])
+    fits = _job("fits", 2)
+    ref = fits[0]
+    for node, planned in (("n0", False), ("n1", True)):
+        queue.planning(ref, 1)
+        queue.enter(*fits, avoided_until=(ticks[0] + 5.0, frozenset({node})))
+        ticks[0] += 5.0
+        assert queue.unchanged(ref, 1) is not planned and queue.owed_to_time(ref.uid) is planned
 
 
 def test_a_job_a_preferred_level_holds_is_planned_once_more_when_its_hold_ends(

@@ -81,20 +81,22 @@ class GangFit:
 
     def avoided_until(
         self, job: job_state.JobState, gpu: str, now: datetime.datetime, at: float
-    ) -> float | None:
-        """Monotonic time the first node :meth:`candidates` avoided for ``job`` at ``now`` (``at``
-        on the monotonic clock) may take its pods again: the latest end of the rules that avoid
-        it, for a node that exists (None: none will by time alone).  The plan's candidates change
-        then, with no capacity change."""
+    ) -> tuple[float, frozenset[str]] | None:
+        """Monotonic time the first nodes :meth:`candidates` avoided for ``job`` at ``now``
+        (``at`` on the monotonic clock) may take its pods again, and those nodes: the latest end
+        of the rules that avoid each, for nodes that exist (None: none will by time alone).  The
+        plan's candidates change then, with no capacity change."""
         refused = rescheduling.returns_in(self.refusals.get(job.ref.uid), at)
         replaced = stragglers.returns_in(job.status, now)
         present = {node["metadata"]["name"] for node in self._nodes(gpu)[0]}
-        ends = [
-            max(refused.get(node, 0.0), replaced.get(node, 0.0))
+        ends = {
+            node: max(refused.get(node, 0.0), replaced.get(node, 0.0))
             for node in (refused.keys() | replaced.keys()) & present
-        ]
-        left = min((end for end in ends if end != math.inf), default=None)
-        return None if left is None else at + left
+        }
+        left = min((end for end in ends.values() if end != math.inf), default=None)
+        if left is None:
+            return None
+        return at + left, frozenset(node for node, end in ends.items() if end == left)
 
     async def fits_without(
         self,

@@ -68,7 +68,7 @@ async def _plan(
     planned = reservation.Reservation(ref.uid, kept, queue.basis(), time.monotonic())
     before, queue.reservation = queue.reservation, planned
     if before is not None and before.nodes - kept:  # nodes other waiting jobs may take again
-        queue.cache.waker.poke_waiting()
+        queue.released()
     if sized is not None and not kept:
         queue.unfit(ref.uid)
         logger.info(

@@ -10,17 +10,18 @@ holds to one domain (``topology_hold``) is woken only where one domain of each h
 its slots, counted for that job.
 
 A capacity-change sequence number (:meth:`Queue.capacity_changed`) is recorded when a job's plan
-starts (:meth:`Queue.planning`): a periodic resync plans a waiting job again only if a change came
-since and the wake-up rule admits it (:meth:`Queue.unchanged`), or the nodes it may use changed
-with time alone (a hold for one domain ended, a node it avoided came back:
-:meth:`Queue.time_changed`); a job whose plan raced a change is woken once it is marked waiting
-(:meth:`Queue.missed`).  The reservation's holder has its node set planned when due
-(``reserving.refresh``) without a plan of its gang.
+starts (:meth:`Queue.planning`): a pass plans a waiting job again only if something it may use
+changed since (capacity, the reservation's holder or released nodes, or with time alone: a hold
+for one domain ended, a node it avoided came back, :meth:`Queue.time_changed`) and the wake-up
+rule admits it on what there is now (:meth:`Queue.unchanged`); a job whose plan raced a change is
+woken once it is marked waiting (:meth:`Queue.missed`).  The reservation's holder has its node
+set planned when due (``reserving.refresh``) without a plan of its gang.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Hashable, Iterable
 
@@ -84,21 +85,24 @@ class Queue:
         reservation nor are held back by it (the wake-up rule applies to them all the same)."""
         self._changes = 0
         """Capacity changes told to this queue (:meth:`capacity_changed`)."""
-        self._planned: dict[str, tuple[int, int, str | None]] = {}
-        """UID -> (:attr:`seq`, generation, holder UID) when its last plan started."""
-        self._avoided: dict[str, float] = {}
-        """UID -> monotonic time the first node its last plan left out for a while (replaced
-        stragglers, scheduler refusals) may take its pods again: a pass then plans it with no
-        capacity change."""
+        self._planned: dict[str, tuple[int, int, str | None, int]] = {}
+        """UID -> (:attr:`seq`, generation, holder UID, releases seen) when its last plan
+        started (:meth:`_reserved_for`)."""
+        self._avoided: dict[str, tuple[float, frozenset[str]]] = {}
+        """UID -> (monotonic time the first nodes its last plan left out for a while, replaced
+        stragglers or scheduler refusals, may take its pods again; those nodes): the pass then
+        judges it with no capacity change."""
+        self._released = 0
+        """Node sets of the reservation planned again that let nodes go (:meth:`released`)."""
         self._holds: dict[str, tuple[float, frozenset[str]]] = {}
         """UID -> (monotonic time its last plan's hold for one domain ends, the held levels'
         labels) (``topology_hold``): until then a change wakes it only where one domain of each
         held level has its slots; then a pass plans it with no change, across domains if need be."""
         self._owed: set[str] = set()
         """UIDs whose next plan answers a change of time alone (:meth:`owed_to_time`)."""
-        self._verdicts: dict[str, tuple[tuple[int, int, str | None], bool]] = {}
-        """UID -> ((:attr:`seq`, generation, holder UID), whether :meth:`unchanged`): the free
-        slots are counted once per change, not at every resync."""
+        self._verdicts: dict[str, tuple[tuple[int, int, str | None, int], bool]] = {}
+        """UID -> ((:attr:`seq`, generation, holder UID, releases), whether the wake-up rule
+        admits it): the free slots are counted once per change, not at every resync."""
         self.reserve_after = capacity_queue.RESERVE_AFTER_SECONDS
         """Seconds a job waits before it may hold the reservation (``--reserve-after-seconds``)."""
         self.reservation: reservation.Reservation | None = None
@@ -127,8 +131,19 @@ class Queue:
 
     def planning(self, ref: identity.JobRef, generation: int) -> None:
         """A plan of the job starts now: what it sees is the capacity as of :attr:`seq` (and the
-        reservation's holder then)."""
-        self._planned[ref.uid] = (self.seq, generation, self._holder_uid())
+        reservation's holder and node set then)."""
+        self._planned[ref.uid] = (self.seq, generation, *self._reserved_for(ref.uid))
+
+    def _reserved_for(self, uid: str) -> tuple[str | None, int]:
+        """What of the reservation job ``uid``'s plan depends on: the holder, and for any other
+        job, how often a node set let nodes go (the holder's own plan may use its nodes)."""
+        holder = self._holder_uid()
+        return holder, 0 if holder == uid else self._released
+
+    def released(self) -> None:
+        """The holder's node set was planned again and let nodes go: the other waiting jobs are
+        judged again at their next pass (as after a capacity change)."""
+        self._released += 1
 
     def _holder_uid(self) -> str | None:
         held = self.holder()
@@ -155,21 +170,35 @@ class Queue:
         planned = self._planned.get(ref.uid)
         if planned is None or planned[1] != generation:
             return False
-        timed = self.time_changed(ref.uid)
-        if timed:  # a hold ended or an avoided node is back: judged again, as after a change
-            self._holds.pop(ref.uid, None)
-            self._avoided.pop(ref.uid, None)
-            self._verdicts.pop(ref.uid, None)
-        holder = self._holder_uid()
-        if not timed and (planned[0], planned[2]) == (self.seq, holder):
+        hold_ended, returned = self._times_came(ref.uid)
+        timed = hold_ended or returned is not None
+        mark = (self.seq, generation, *self._reserved_for(ref.uid))
+        changed = (planned[0], *planned[2:]) != (mark[0], *mark[2:])
+        if not timed and not changed:
             return True  # its last plan saw this very capacity: it would place nothing again
-        mark = (self.seq, generation, holder)  # the verdict changes with capacity or the holder
         known = self._verdicts.get(ref.uid)
-        if known is None or known[0] != mark:
-            known = self._verdicts[ref.uid] = (mark, not self.wake([(ref.namespace, ref.name)]))
-        if timed and not known[1]:
+        if timed or known is None or known[0] != mark:  # the verdict changes with what it may use
+            known = self._verdicts[ref.uid] = (mark, bool(self.wake([(ref.namespace, ref.name)])))
+        admits = known[1]
+        shape = self.entries[ref.uid].need.shape
+        if admits and not changed and not hold_ended and returned and shape is not None:
+            admits = self.free_slots(shape, only=returned) > 0  # only those nodes came back
+        if timed and admits:
             self._owed.add(ref.uid)
-        return known[1]
+        return not admits
+
+    def _times_came(self, uid: str) -> tuple[bool, frozenset[str] | None]:
+        """Whether job ``uid``'s hold ended, and the avoided nodes that came back (None: none),
+        since a pass last judged them; each is judged once (dropped here)."""
+        now = time.monotonic()
+        hold_ended = self._holds.get(uid, (math.inf,))[0] <= now
+        if hold_ended:
+            self._holds.pop(uid, None)
+        avoided = self._avoided.get(uid)
+        returned = None
+        if avoided is not None and avoided[0] <= now:
+            returned = self._avoided.pop(uid)[1]
+        return hold_ended, returned
 
     def owed_to_time(self, uid: str) -> bool:
         """Whether the plan of job ``uid`` about to start answers a change of time alone that the
@@ -187,7 +216,7 @@ class Queue:
         unknown: bool = False,
         since: float | None = None,
         priority: int = 0,
-        avoided_until: float | None = None,
+        avoided_until: tuple[float, frozenset[str]] | None = None,
         held_until: float | None = None,
         held_in: frozenset[str] = frozenset(),
     ) -> capacity_queue.Waiting:
@@ -195,9 +224,9 @@ class Queue:
 
         ``unknown``: slot counts do not bound its plan (it re-places beside its own pods);
         ``since``: when it began to wait (``reservation.since_of``; None: now), ``priority``: its
-        PriorityClass value; ``avoided_until``: monotonic time the first node its plan left out
-        for a while (stragglers, scheduler refusals) may take its pods again, an exclusion that
-        ends with time, not with a capacity change;
+        PriorityClass value; ``avoided_until``: monotonic time the first nodes its plan left out
+        for a while (stragglers, scheduler refusals) may take its pods again, and those nodes
+        (``GangFit.avoided_until``): an exclusion that ends with time, not with a capacity change;
         ``held_until``: monotonic time a preferred level stops holding it for one domain, one
         of each of the ``held_in`` labels.
         """
@@ -355,7 +384,7 @@ class Queue:
     def _time_change(self, uid: str) -> float | None:
         """Monotonic time the nodes waiting job ``uid`` may use change with no capacity change:
         a preferred level's hold ends, or a node its plan avoided comes back (None: never)."""
-        ends = (self._holds.get(uid, (None,))[0], self._avoided.get(uid))
+        ends = (self._holds.get(uid, (None,))[0], self._avoided.get(uid, (None,))[0])
         return min((t for t in ends if t is not None), default=None)
 
     def time_changed(self, uid: str) -> bool:
@@ -367,8 +396,8 @@ class Queue:
     def time_left(self, uid: str) -> float | None:
         """Seconds until a pass is owed for that time (None: no such time); a time that came
         while no pass judged it (it came during the plan) is owed after
-        :data:`TIME_CHANGE_RETRY_SECONDS`, never at once: a pass that plans nothing for another
-        reason must not loop."""
+        :data:`TIME_CHANGE_RETRY_SECONDS`, never at once (the reconciler waits longer while the
+        job's plans are spaced out)."""
         at = self._time_change(uid)
         return None if at is None else max(at - time.monotonic(), TIME_CHANGE_RETRY_SECONDS)
 

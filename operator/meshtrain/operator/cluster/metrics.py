@@ -80,8 +80,8 @@ PLACEMENT_FAILURES = prometheus_client.Counter(
 )
 REPLANS = prometheus_client.Counter(
     "meshtrain_operator_replans",
-    "Plans of a job that already waited for capacity in this replica (woken by a capacity change "
-    "that could admit it, or by its resync), by the job's namespace.",
+    "Plans of a job that already waited for capacity in this replica (for a change of capacity or"
+    " of time alone that could admit it, or after a spec change), by the job's namespace.",
     labelnames=("namespace",),
 )
 REPLAN_ADMISSIONS = prometheus_client.Counter(
