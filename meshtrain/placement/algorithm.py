@@ -159,7 +159,7 @@ def _unsatisfiable(
     assert largest is not None
     message = (
         f"needs {request.pods} pods of {request.gpus_per_node} GPUs inside one "
-        f"{level.label} domain ({'held to one for now' if level.held else 'required'}); the largest, {largest.value!r}, has "
+        f"{level.label} domain ({level.why_one_domain}); the largest, {largest.value!r}, has "
         f"{largest.cap} free pod slots; {fabric.root.cap} free pod slots cluster-wide "
         f"in {len(frontier)} domains"
     )

@@ -75,6 +75,6 @@ def unsatisfiable(
     if 0 < job_depth < depth:
         outer = levels[job_depth - 1].label
         best = max(_stages_in(domain, depth, stage) for domain in _at(root, job_depth))
-        why = "held to one for now" if levels[job_depth - 1].held else "required"
+        why = levels[job_depth - 1].why_one_domain
         said = f", all in one {outer} domain ({why}){said}; the best {outer} domain holds {best}"
     return values.Unschedulable(reason=values.TOPOLOGY_UNSATISFIABLE, message=need + said)

@@ -75,6 +75,11 @@ class FabricLevel:
     """Required only for now: a preferred level whose ``waitSeconds`` hold the job's first
     placement for one domain (what an unplaced gang's message says of it)."""
 
+    @property
+    def why_one_domain(self) -> str:
+        """How an unplaced gang's message names this required level's rule."""
+        return "held to one for now" if self.held else "required"
+
 
 @dataclasses.dataclass(frozen=True)
 class PlacementRequest:

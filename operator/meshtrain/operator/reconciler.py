@@ -268,8 +268,8 @@ class Reconciler:
         if (spaced_plan := self.placer.spaced_for(job.ref.uid)) is not None:
             retry = spaced_plan if retry is None else min(retry, spaced_plan)
         if (timed := self.placer.waiting.time_left(job.ref.uid)) is not None:
-            timed = max(timed, spaced_plan or 0.0)  # a hold ends, a node returns: judged once
-            retry = timed if retry is None else min(retry, timed)  # its plans may be again
+            timed = max(timed, spaced_plan or 0.0)  # a hold ends, a node returns: not before the
+            retry = timed if retry is None else min(retry, timed)  # job's plans may start again
         if retry is not None:
             requeue = retry if requeue is None else min(requeue, retry)
         if any(isinstance(a, job_actions.PollProgress) for a in decision.actions):

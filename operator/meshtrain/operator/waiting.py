@@ -97,7 +97,8 @@ class Queue:
         self._holds: dict[str, tuple[float, frozenset[str]]] = {}
         """UID -> (monotonic time its last plan's hold for one domain ends, the held levels'
         labels) (``topology_hold``): until then a change wakes it only where one domain of each
-        held level has its slots; then a pass plans it with no change, across domains if need be."""
+        held level has its slots; then a pass judges it with no change (:meth:`unchanged`) and,
+        admitted, plans it across domains if need be."""
         self._owed: set[str] = set()
         """UIDs whose next plan answers a change of time alone (:meth:`owed_to_time`)."""
         self._verdicts: dict[str, tuple[tuple[int, int, str | None, int], bool]] = {}
