@@ -4,8 +4,8 @@ The sandbox (``meshtrain.sandbox``: real control plane, two kubelet nodes with c
 operator from the chart, the trainer image built from this tree) runs the example job (dp2·pp2,
 one pod of two ranks per node, storage checkpoints every ``--interval`` steps) once per recovery
 mode, in one run.  When rank 0 has logged step 18, 38, 58, 78 (three steps past a checkpoint) the
-next fault of the schedule hits the pod of node rank 1 (so never rank 0's pod, which hosts the
-job's store):
+next fault of the schedule hits the pod of node rank ``--target-rank``: 1 by default, so never
+pod 0, which hosts the job's rendezvous store unless the job has a store pod of its own:
 
 - ``process``: SIGKILL one worker process from the host (the busiest process of the trainer
   container other than its PID 1, found through the container's cgroup);
@@ -22,7 +22,11 @@ operator has it) and ``recoveries.jsonl`` when the trainer writes one.  The mode
 - ``rebuild``: today's full gang rebuild (``runPolicy.recovery.inPlace: false`` where that field
   exists; on a tree without it, the only path);
 - ``inplace``: ``runPolicy.recovery.inPlace: true`` and, where the spec has them, in-memory
-  checkpoints every ``--in-memory-interval`` steps (only offered when the spec has the field).
+  checkpoints every ``--in-memory-interval`` steps (only offered when the spec has the field);
+- ``store``: ``inplace`` with ``runPolicy.recovery.rendezvousStore: dedicated``, the store in a
+  pod of its own (only offered when the spec has the field). ``--target-rank 0 --modes
+  inplace,store`` compares a lost pod 0 with and without it: a gang rebuild against pod 0
+  replaced alone.
 
 Then an unfaulted job resumed from a copy of the first mode's last checkpoint before its first
 fault trains to the end, and each mode's final checkpoint is compared with its final checkpoint
@@ -35,7 +39,8 @@ One sandbox per machine: on a shared machine run it under the sandbox lock, e.g.
 (``python -m benchmarks faults``).
 
 Run: ``python benchmarks/bench_faults.py [--modes rebuild,inplace] [--faults process,container,pod,node]``;
-results in ``benchmarks/results/sandbox_faults-<host>.json``.
+results in ``benchmarks/results/sandbox_faults-<host>.json`` (``--tag T``:
+``sandbox_faults-T-<host>.json``).
 """
 
 from __future__ import annotations
@@ -64,9 +69,6 @@ from tests.e2e.test_sandbox_resilience import _live_pods, _status, _wait
 
 FAULTS = ("process", "container", "pod", "node")
 NAMESPACE = "default"
-TARGET_NODE_RANK = "1"
-"""The pod the faults hit: node rank 1 (rank 0's pod hosts the job's rendezvous store)."""
-TARGET_NODE = supervisor.NODES[1].name
 POLL = 0.5
 LOG_POLL = 0.02
 """Seconds between reads of the step log while waiting for a step (a step takes ~0.2 s here)."""
@@ -78,19 +80,24 @@ def has_in_place() -> bool:
     return hasattr(run_policy_spec, "Recovery")
 
 
+def has_store_pod() -> bool:
+    """Whether this tree's spec has ``runPolicy.recovery.rendezvousStore``."""
+    return hasattr(run_policy_spec.Recovery, "dedicated_store")
+
+
 def has_in_memory() -> bool:
     """Whether this tree's spec has ``checkpoint.inMemory``."""
     return hasattr(checkpoint_spec, "InMemoryCheckpoint")
 
 
-def _target_pod(paths: supervisor.Paths, name: str) -> dict[str, Any]:
-    """The running pod of node rank 1 whose container runs."""
+def _target_pod(paths: supervisor.Paths, name: str, rank: str) -> dict[str, Any]:
+    """The running pod of node rank ``rank`` whose container runs."""
 
     def running() -> dict[str, Any] | None:
         for pod in _live_pods(paths, name):
             labels = pod["metadata"].get("labels") or {}
             statuses = (pod.get("status") or {}).get("containerStatuses") or []
-            if labels.get("meshtrain.io/node-rank") == TARGET_NODE_RANK and any(
+            if labels.get("meshtrain.io/node-rank") == rank and any(
                 "running" in (c.get("state") or {}) for c in statuses
             ):
                 return pod
@@ -112,9 +119,13 @@ def job_for(mode: str, name: str, args: argparse.Namespace) -> Any:
         .checkpoint(intervalSteps=args.interval, keep=args.steps // args.interval + 1)
         .run_policy(backoffLimit=20, disruptionRestartLimit=10)
     )
+    in_place = mode in ("inplace", "store")
     if has_in_place():
-        job.run_policy(recovery={"inPlace": mode == "inplace"})
-    if mode == "inplace" and has_in_memory() and args.in_memory_interval:
+        recovery: dict[str, Any] = {"inPlace": in_place}
+        if mode == "store":
+            recovery["rendezvousStore"] = "dedicated"
+        job.run_policy(recovery=recovery)
+    if in_place and has_in_memory() and args.in_memory_interval:
         job.checkpoint(inMemory={"intervalSteps": args.in_memory_interval})
     return job
 
@@ -155,12 +166,16 @@ def _watch(
 
 
 def _inject(
-    kind: str, paths: supervisor.Paths, name: str, outage: fault_injection.NodeOutage | None
+    kind: str,
+    paths: supervisor.Paths,
+    name: str,
+    outage: fault_injection.NodeOutage | None,
+    rank: str,
 ) -> dict[str, Any]:
     if kind == "node":
         assert outage is not None
         return outage.stop()
-    pod = _target_pod(paths, name)
+    pod = _target_pod(paths, name, rank)
     act = {
         "process": fault_injection.kill_process,
         "container": fault_injection.kill_container,
@@ -198,7 +213,7 @@ def run_mode(
         if checkpoint_before_first is None:
             checkpoint_before_first = saved[-1] if saved else None
         restarts = _status(paths, NAMESPACE, name).get("restarts") or 0
-        target = _inject(kind, paths, name, outage)
+        target = _inject(kind, paths, name, outage, str(args.target_rank))
         injected_at = float(target.pop("at"))
         print(f"[{mode}] {kind} fault after step {_last_step(tail)}: {target}", flush=True)
         if kind == "node":
@@ -423,14 +438,23 @@ def table(runs: dict[str, dict[str, Any]], faults: list[str]) -> str:
     return "\n".join(out)
 
 
-def speedups(runs: dict[str, dict[str, Any]]) -> dict[str, float | None]:
-    """Per fault: the gang rebuild's time to the next step over the in-place mode's (same run)."""
-    if "rebuild" not in runs or "inplace" not in runs:
-        return {}
-    out: dict[str, float | None] = {}
-    for old, new in zip(runs["rebuild"]["faults"], runs["inplace"]["faults"], strict=False):
-        slow, fast = old.get("seconds_to_next_step"), new.get("seconds_to_next_step")
-        out[old["fault"]] = round(slow / fast, 2) if slow and fast else None
+SPEEDUPS = (("rebuild", "inplace"), ("inplace", "store"))
+"""Pairs of modes compared fault by fault: the first's time to the next step over the second's."""
+
+
+def speedups(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per pair of modes in the run, per fault: the slower path's time to the next step over the
+    faster one's (``rebuild/inplace``; ``inplace/store``, which with ``--target-rank 0`` is pod
+    0's gang rebuild over its replacement alone)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for slow_mode, fast_mode in SPEEDUPS:
+        if slow_mode not in runs or fast_mode not in runs:
+            continue
+        ratios: dict[str, float | None] = {}
+        for old, new in zip(runs[slow_mode]["faults"], runs[fast_mode]["faults"], strict=False):
+            slow, fast = old.get("seconds_to_next_step"), new.get("seconds_to_next_step")
+            ratios[old["fault"]] = round(slow / fast, 2) if slow and fast else None
+        out[f"{slow_mode}/{fast_mode}"] = ratios
     return out
 
 
@@ -441,6 +465,8 @@ def _interrupted(signum: int, _frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     offered = ["rebuild", "inplace"] if has_in_place() else ["rebuild"]
+    if has_store_pod():
+        offered.append("store")
     parser.add_argument("--modes", default=",".join(offered), help=f"of {offered}")
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"in order, of {FAULTS}")
     parser.add_argument("--steps", type=int, default=100)
@@ -450,6 +476,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spacing", type=int, default=20, help="steps between faults")
     parser.add_argument("--outage", type=float, default=20.0, help="seconds a stopped node is down")
     parser.add_argument("--fault-timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--target-rank",
+        type=int,
+        default=1,
+        choices=range(len(supervisor.NODES)),
+        help="the node rank whose pod the faults hit",
+    )
+    parser.add_argument("--tag", default="", help="results/sandbox_faults-TAG-<host>.json")
     parser.add_argument("--no-weights", action="store_true", help="skip the reference run")
     parser.add_argument("--state-dir", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
@@ -476,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python benchmarks/bench_faults.py", *(argv or sys.argv[1:])]),
         "job": "the sandbox example (dp2·pp2·tp1, tiny, two pods of two ranks on two nodes), "
         f"{args.steps} steps, storage checkpoints every {args.interval} steps",
+        "target_node_rank": args.target_rank,
         "schedule": [
             {"fault": f, "after_step": args.first + i * args.spacing}
             for i, f in enumerate(args.faults)
@@ -489,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_before": os.getloadavg(),
     }
     runs: dict[str, dict[str, Any]] = {}
-    outage = fault_injection.NodeOutage(paths, TARGET_NODE) if "node" in args.faults else None
+    target_node = supervisor.NODES[args.target_rank].name  # one pod per node, in rank order
+    outage = fault_injection.NodeOutage(paths, target_node) if "node" in args.faults else None
     signal.signal(signal.SIGTERM, _interrupted)  # the results so far are still written
     partial: dict[str, Any] = {}
     try:
@@ -517,16 +553,18 @@ def main(argv: list[str] | None = None) -> int:
         if outage is not None:
             outage.close()
             if was_up and outage.started:
-                print(f"{TARGET_NODE}'s kubelet and containerd were restarted and are now stopped")
+                print(f"{target_node}'s kubelet and containerd were restarted and are now stopped")
         if not was_up:  # a sandbox someone else started is theirs to bring down
             results["down_leftovers"] = supervisor.down(paths)
         if args.state_dir is None:  # this run's own state directory, volumes included
             shutil.rmtree(paths.root, ignore_errors=True)
-        path = machine.write_results("sandbox_faults", results)
+        path = machine.write_results(
+            "-".join(["sandbox_faults", *([args.tag] if args.tag else [])]), results
+        )
         print(f"results: {path}")
     print(table(runs, args.faults))
     if results.get("speedup"):
-        print(f"gang rebuild / in place, time to the next step: {results['speedup']}")
+        print(f"time to the next step, one mode over another: {results['speedup']}")
     print(f"weights: {json.dumps(results['weights'])}")
     return 0
 

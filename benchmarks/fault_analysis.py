@@ -21,6 +21,10 @@ STALL_FLOOR_SECONDS = 2.0
 """Idle time between two step records at least this long (and ``STALL_FACTOR`` times the run's
 usual idle time between steps) is a stall: the step after it is the first of a recovered run."""
 STALL_FACTOR = 5.0
+FAULT_STALL_FLOOR_SECONDS = 0.5
+"""The floor for the idle time that holds the fault's own instant: a process restarted in place
+and restored from memory can run its next step within ``STALL_FLOOR_SECONDS`` (1.4 s measured),
+while a step the old run finishes after the fault follows the usual idle time (milliseconds)."""
 MAX_LOG_BYTES = 64 * 1024 * 1024
 """Largest step log or recovery log read (a tiny job's run is a few hundred kB)."""
 
@@ -124,10 +128,12 @@ def usual_gap(records: Sequence[StepRecord]) -> float:
     return statistics.median(gaps) if gaps else 0.0
 
 
-def is_stall(previous: StepRecord, record: StepRecord, gap: float) -> bool:
+def is_stall(
+    previous: StepRecord, record: StepRecord, gap: float, floor: float = STALL_FLOOR_SECONDS
+) -> bool:
     """Whether ``record`` began after a stall following ``previous`` (or repeats a step)."""
     idle = record.start - previous.end
-    return record.step <= previous.step or idle >= max(STALL_FLOOR_SECONDS, STALL_FACTOR * gap)
+    return record.step <= previous.step or idle >= max(floor, STALL_FACTOR * gap)
 
 
 def fault_cost(records: Sequence[StepRecord], injected_at: float, gap: float) -> FaultCost:
@@ -137,7 +143,10 @@ def fault_cost(records: Sequence[StepRecord], injected_at: float, gap: float) ->
     last_before = before[-1].step if before else 0
     index = len(before)
     for i in range(max(index, 1), len(records)):
-        if is_stall(records[i - 1], records[i], gap):
+        previous, record = records[i - 1], records[i]
+        holds_fault = previous.end <= injected_at <= record.start
+        floor = FAULT_STALL_FLOOR_SECONDS if holds_fault else STALL_FLOOR_SECONDS
+        if is_stall(previous, record, gap, floor):
             first = records[i]
             done = max(r.step for r in records[:i])
             return FaultCost(

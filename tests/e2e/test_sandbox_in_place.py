@@ -38,6 +38,11 @@ def _trainer(pod: dict[str, Any]) -> dict[str, Any]:
     return next(c for c in pod["status"]["containerStatuses"] if c["name"] == "trainer")
 
 
+def _named(paths: supervisor.Paths, name: str, pod: str) -> dict[str, Any]:
+    """The job's pod ``pod`` as the API server has it now."""
+    return next(p for p in _pods(paths, name) if p["metadata"]["name"] == pod)
+
+
 def _restarted(paths: supervisor.Paths, name: str, pod: str, timeout: float = 300) -> dict:
     """``pod`` once the kubelet reports its trainer container restarted (restartCount >= 1)."""
     deadline = time.monotonic() + timeout
@@ -101,6 +106,10 @@ def test_a_killed_trainer_container_is_restarted_in_place_and_the_job_succeeds(
     ]
     assert any(pod["metadata"]["name"] in m and "SIGKILL" in m for m in told), told
     print(f"status.recovery: {json.dumps(recovery, indent=2)}")
+    last = recovery["last"]
+    if last.get("failedAt") and last.get("firstStepAt"):
+        seconds = last["firstStepAt"] - last["failedAt"]
+        print(f"pod 1's restarted container's report to the next step: {seconds:.1f}s")
 
 
 def _stamped(paths: supervisor.Paths, namespace: str, pod: str) -> list[tuple[float, str]]:
@@ -197,3 +206,50 @@ def test_a_custom_trainers_torchrun_killed_by_a_signal_restarts_its_pod_in_place
     import torch  # noqa: PLC0415 - only these tests read a torch file
 
     assert torch.load(root / namespace / name / "ddp-example.pt")["step"] == steps
+
+
+def test_with_a_store_pod_pod_0_s_killed_trainer_container_restarts_in_place(
+    sandbox: tuple[supervisor.Paths, dict],
+) -> None:
+    """``rendezvousStore: dedicated``: the store runs in a pod of its own, so pod 0's trainer
+    container SIGKILLed is restarted in place by the kubelet like any other pod's (with pod 0
+    hosting the store it would rebuild the gang), and the job succeeds on the same pods, the store
+    pod's among them, which leaves with 0 once every pod left."""
+    paths, _state = sandbox
+    name, steps = "sandbox-store-pod", 300
+    recovery = {"recovery": {"rendezvousStore": "dedicated"}}
+    namespace, checkpoints, saved = _run_until_checkpoint(
+        paths, name, "store-pod-checkpoints", steps, run_policy=recovery
+    )
+    pods = _pods(paths, name)
+    before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
+    store = next(p for p in pods if "meshtrain.io/rendezvous-store" in p["metadata"]["labels"])
+    assert store["metadata"]["name"] == f"{name}-r0-store" and store["status"]["phase"] == "Running"
+    pod0 = next(p for p in pods if p["metadata"]["labels"].get("meshtrain.io/node-rank") == "0")
+    assert _trainer(pod0)["restartCount"] == 0
+    killed = _kill_container(paths, pod0)
+    print(f"killed pod 0's trainer container (pid {killed}) at step {saved}+")
+
+    restarted = _restarted(paths, name, pod0["metadata"]["name"])
+    assert restarted["metadata"]["uid"] == pod0["metadata"]["uid"], "the same pod"
+    final = example.follow(paths, namespace, name, timeout=900)
+    status = final["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=2)
+    assert not status.get("restarts"), f"no gang rebuild: {json.dumps(status, indent=2)}"
+    assert status["recovery"]["byTier"]["container"] == 1, status["recovery"]
+    last = status["recovery"]["last"]
+    assert last["tier"] == "container" and last["ranks"] == [0, 1], last  # pod 0's ranks
+    print(f"status.recovery.last: {json.dumps(last)}")
+    if last.get("failedAt") and last.get("firstStepAt"):
+        seconds = last["firstStepAt"] - last["failedAt"]
+        print(f"pod 0's restarted container's report to the next step: {seconds:.1f}s")
+    after = _pods(paths, name)
+    assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in after} == before
+    deadline = time.monotonic() + 60  # it leaves a moment after the last pod said it left
+    while (ended := _named(paths, name, store["metadata"]["name"]))["status"]["phase"] == "Running":
+        assert time.monotonic() < deadline, ended["status"]
+        time.sleep(0.5)
+    assert ended["status"]["phase"] == "Succeeded", ended["status"]
+    log = example.kubectl(paths, "logs", "-n", namespace, store["metadata"]["name"])
+    assert "meshtrain store: exit 0: rank 0 finished" in log, log
+    assert _saved_steps(checkpoints)[-1] == steps, "trained to the last step"

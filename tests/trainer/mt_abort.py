@@ -3,8 +3,8 @@
 Rank 0 blocks in an all_reduce that rank 1 (alive, asleep) never joins; a thread shuts rank 0's
 gloo sockets down (:class:`meshtrain.trainer.recovery.abort.GlooSockets`, which found them across
 the group's creation); rank 0 writes how long the collective took to raise, whether the store
-still answers, and whether an HTTP-like connection opened after the group (an object store's
-pool) still carries data.
+still answers, and whether two HTTP-like connections still carry data: one opened after the
+group (an object store's pool), one to a service's fixed port opened while a group was created.
 """
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ def main(rank: int, port: int, out: Path) -> None:
     server = socket.create_server(("127.0.0.1", 0))  # an HTTP server's stand-in
     client = socket.create_connection(server.getsockname())  # opened after the group: not gloo's
     served, _ = server.accept()
+    service = _service_below(abort.ephemeral_ports())  # a service's fixed port (an object store's)
+    with sockets.creating():  # another thread's connection, opened while a group is created
+        pooled = socket.create_connection(service.getsockname())
+    pooled_served, _ = service.accept()
     shut: list[int] = []
     timer = threading.Timer(0.5, lambda: shut.append(sockets.shutdown()))
     timer.start()
@@ -56,22 +60,37 @@ def main(rank: int, port: int, out: Path) -> None:
     seconds = time.monotonic() - started
     timer.join()  # the count is appended after the shutdown that freed the collective
     store.set("after-abort", "still here")
-    try:
-        client.sendall(b"GET / HTTP/1.1\r\n\r\n")
-        served.sendall(served.recv(64))
-        http = client.recv(64).decode()
-    except OSError as err:
-        http = f"broken: {err}"
     result = {
         "seconds": seconds,
+        "http": _echoed(client, served, b"GET / HTTP/1.1\r\n\r\n"),
+        "pool": _echoed(pooled, pooled_served, b"PUT /bucket/key HTTP/1.1\r\n\r\n"),
         "error": error,
         "shut": shut,
         "store": store.get("after-abort").decode(),
-        "http": http,
         "tracked": len(sockets.inodes),
     }
     out.write_text(json.dumps(result))
     os._exit(0)
+
+
+def _echoed(client: socket.socket, served: socket.socket, request: bytes) -> str:
+    """What comes back of ``request`` through a connection whose server echoes it, or why not."""
+    try:
+        client.sendall(request)
+        served.sendall(served.recv(64))
+        return client.recv(64).decode()
+    except OSError as err:
+        return f"broken: {err}"
+
+
+def _service_below(ephemeral: range) -> socket.socket:
+    """A listening socket on a free port below the kernel's ephemeral range."""
+    for port in range(ephemeral.start - 1, max(ephemeral.start - 2000, 1024), -1):
+        try:
+            return socket.create_server(("127.0.0.1", port))
+        except OSError:
+            continue
+    raise RuntimeError(f"no free port below {ephemeral.start}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The watcher's gloo abort: shutting down the gloo sockets frees a blocked collective at once, and
 leaves the rendezvous store's connection and other connections (an HTTP pool's, opened after the
-group) alone (docs/recovery.md, "In-process rebuild")."""
+group or to a service's fixed port while a group is created) alone (docs/recovery.md, "In-process rebuild")."""
 
 from __future__ import annotations
 
@@ -33,4 +33,5 @@ def test_shutting_down_gloo_sockets_frees_a_blocked_all_reduce(tmp_path: Path) -
     assert result["seconds"] < 10, result  # the peer sleeps up to 60 s: only the abort freed it
     assert result["store"] == "still here"
     assert result["http"] == "GET / HTTP/1.1\r\n\r\n", result  # not gloo's: left alone
+    assert result["pool"] == "PUT /bucket/key HTTP/1.1\r\n\r\n", result  # a service's port
     assert result["shut"][0] == result["tracked"], result  # only the sockets found as gloo's

@@ -185,6 +185,11 @@ LAYOUTS = {
     "zero1": ({"data": 2, "gpus_per_node": 1}, {"zeroStage": 1}),
     "zero2": ({"data": 2, "gpus_per_node": 1}, {"zeroStage": 2}),
     "zero3": ({"data": 2, "gpus_per_node": 1}, {"zeroStage": 3}),
+    "cp2": ({"context": 2, "gpus_per_node": 1}, {}),
+    "pp2-interleaved": (
+        {"pipeline": 2, "gpus_per_node": 1},
+        {"schedule": "interleaved-1f1b", "virtualStages": 2, "microBatches": 4},
+    ),
 }
 
 

@@ -12,25 +12,25 @@ the test then checks, rank by rank:
 * the planner's weights, gradients and optimizer bytes
   (:func:`meshtrain.planner.memory.plan_memory`) are within 10% of the measured ones.
 
-This file is also the worker: the test starts ``python THIS_FILE`` once per
-rank with torchrun's environment variables.
+The ranks run through :func:`mt_harness.run_distributed` (one gloo process group).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
+import mt_harness
 import pytest
+import torch
 
 from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import comm, memory, precision, profiles
-from meshtrain.sandbox.controlplane.ports import pick_free_port
+from meshtrain.trainer import engine
+from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.parallel import state_bytes
 from meshtrain.trainer.telemetry import recording
+from tests.builders import JobBuilder
 
 STEPS = 2
 TIMEOUT_S = 300
@@ -150,9 +150,6 @@ def _cases() -> list:
 def _job(
     parallelism: dict, training: dict | None = None, model: dict | None = None
 ) -> api_spec.TrainingJobSpec:
-    # the workers run this file as a script, without the repository's tests on their path
-    from tests.builders import JobBuilder  # noqa: PLC0415
-
     raw = (
         JobBuilder()
         .gpus(2)
@@ -167,17 +164,9 @@ def _job(
     return loading.parse_spec(raw, "test")
 
 
-def _worker(spec_json: str, out_dir: str) -> None:
-    """One rank: train STEPS steps, dump the last step's collectives and the measured state bytes."""
-    import torch  # noqa: PLC0415 - only the worker processes need torch
-
-    from meshtrain.trainer import engine  # noqa: PLC0415
-    from meshtrain.trainer.parallel import mesh as mesh_mod  # noqa: PLC0415
-    from meshtrain.trainer.parallel import state_bytes  # noqa: PLC0415
-    from meshtrain.trainer.telemetry import recording  # noqa: PLC0415
-
+def _measure(spec_json: str) -> dict:
+    """One rank: train STEPS steps; the last step's collectives and the measured state bytes."""
     job = loading.parse_spec(json.loads(spec_json), "worker")
-    mesh_mod.init_process_group(use_cuda=False)
     mesh = mesh_mod.build_mesh(job.parallelism.layout, torch.device("cpu"))
     recorder = recording.MemoryRecorder()
     trainer = engine.Engine(job, mesh, recorder=recorder)
@@ -191,67 +180,28 @@ def _worker(spec_json: str, out_dir: str) -> None:
             entry[1] += event.nbytes
     trainer.forward_backward()  # measured while gradients exist (ZeRO-3's are freed after a step)
     state = state_bytes.measure(trainer.model, trainer.optimizer, trainer.model.reducer)
-    rank = mesh.rank
-    result = {
-        "rank": rank,
+    return {
+        "rank": mesh.rank,
         "stage": mesh.coords.pp,
         "collectives": collectives,
         "weights": state.param_bytes,
         "grads": state.grad_bytes,
         "optimizer": state.optimizer_bytes,
     }
-    Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(result))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    mesh_mod.exit_now(0)  # gloo can abort in the interpreter's teardown; the result is written
 
 
-def _run(job: api_spec.TrainingJobSpec, out_dir: Path) -> list[dict]:
-    world = job.world_size
-    port = pick_free_port()
+def _run(job: api_spec.TrainingJobSpec) -> list[dict]:
     spec_json = json.dumps(job.model_dump(by_alias=True, exclude_none=True, mode="json"))
-    procs = []
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            MESHTRAIN_PG_TIMEOUT_S="120",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, spec_json, str(out_dir)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    outputs = []
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            raise
-        outputs.append(out)
-    for rank, (proc, out) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{out[-3000:]}"
-    return [json.loads(Path(out_dir, f"rank-{r}.json").read_text()) for r in range(world)]
+    return mt_harness.run_distributed(_measure, job.world_size, spec_json, timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("parallelism", "training", "model"), _cases())
 def test_predicted_comm_bytes_and_state_memory_match_a_real_run(
-    parallelism: dict, training: dict, model: dict, tmp_path: Path
+    parallelism: dict, training: dict, model: dict
 ) -> None:
     job = _job(parallelism, training, model)
-    measured = _run(job, tmp_path)
+    measured = _run(job)
     cpu = profiles.get("cpu")
     scheme = precision.scheme_for(precision.resolve_precision(job, cpu))
     mem = memory.plan_memory(job, cpu)
@@ -279,7 +229,3 @@ def test_predicted_comm_bytes_and_state_memory_match_a_real_run(
             ("optimizer", stage.optimizer),
         ):
             assert value == pytest.approx(rank[kind], rel=0.10), f"rank {rank['rank']} {kind}"
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])

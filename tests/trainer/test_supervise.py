@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,8 @@ from meshtrain.api import exitcodes
 from meshtrain.trainer import launch, supervise
 from meshtrain.trainer.checkpointing import memory, snapshot_file, store
 from meshtrain.trainer.guards import faults
-from meshtrain.trainer.recovery import generations, rendezvous
+from meshtrain.trainer.parallel import mesh
+from meshtrain.trainer.recovery import generations, rendezvous, stall
 from meshtrain.trainer.telemetry import goodput, recoveries, steplog
 from tests.builders import JobBuilder
 
@@ -35,14 +37,16 @@ JOINED = re.compile(r"meshtrain worker rank (\d+) pid (\d+): joined generation (
 SPARES = re.compile(r"meshtrain supervise pod (\d+): spares \[([\d, ]*)\]")
 
 
-def _spec(directory: Path, steps: int, **checkpoint: Any) -> Path:
-    raw = (
+def _spec(
+    directory: Path, steps: int, recovery: dict[str, Any] | None = None, **checkpoint: Any
+) -> Path:
+    builder = (
         JobBuilder.cpu_run()
         .layout(data=2, pipeline=2)
         .training(steps=steps)
         .checkpoint(**{"intervalSteps": 1, "keep": 2, "asyncSave": False, **checkpoint})
-        .raw()
     )
+    raw = builder.run_policy(recovery=recovery).raw() if recovery else builder.raw()
     path = directory / "job.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -237,6 +241,98 @@ def test_a_killed_rank_is_restored_from_memory_in_place(
     _same_final_state(tmp_path, reference, tmp_path)
 
 
+STALL_S = 30
+"""``stallTimeoutSeconds`` of the hung-collective test: well above a step of the tiny model on a
+loaded 2-core machine, far below the process groups' 300 s timeout."""
+
+
+@pytest.mark.slow
+def test_a_rank_hung_in_a_collective_is_recovered_in_place_by_the_stall_watch(
+    tmp_path: Path, unfaulted: tuple[Path, Path]
+) -> None:
+    """Rank 3 blocks before step 4 in a receive no rank sends to, and its peers block in their
+    collectives behind it; nothing dies and every heartbeat keeps beating.  Pod 0's supervisor
+    sees rank 0's progress stop for ``stallTimeoutSeconds`` and starts a new round: every
+    watcher aborts its groups, every rank (the hung one too) meets the next round in the same
+    process, long before the groups' own timeout, and the run ends as the unfaulted one."""
+    _, reference = unfaulted
+    spec = _spec(tmp_path, STEPS, recovery={"stallTimeoutSeconds": STALL_S})
+    codes = _wait(_supervisors(spec, tmp_path, 2, 2, **{faults.ENV: "3:4:hang"}), tmp_path)
+    text = _logs(tmp_path)
+    assert codes == [0, 0], text
+    assert "rank 3 hangs before step 4" in text, text
+    joined = _pids(text)
+    assert sorted(joined) == [0, 1], text
+    assert joined[0] == joined[1], "a process was replaced: a hang needs only new process groups"
+    [record] = recoveries.read(tmp_path / "logs" / recoveries.FILENAME)
+    assert (record["tier"], record["cause"], record["ranks"]) == ("process", stall.STALLED, [])
+    # detected after the stall timeout of silence (the host looks once a second), not sooner
+    assert STALL_S <= record["detectedAt"] - record["failedAt"] < STALL_S + 10, record
+    assert record["firstStepAt"] - record["failedAt"] < mesh.DEFAULT_TIMEOUT_S / 2, record
+    assert record["resumedStep"] == 3 and record["lostSteps"] == 0, record
+    _same_final_state(tmp_path, reference, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_gpu_that_fails_twice_sends_its_pod_away_while_the_other_waits_in_place(
+    tmp_path: Path, unfaulted: tuple[Path, Path]
+) -> None:
+    """Rank 3's GPU fails before step 3 (an uncorrectable ECC error): a spare takes the rank in
+    place and replays step 3 on the same GPU, which fails again.  Pod 1's supervisor takes the
+    GPU for bad, stops its ranks and exits 79, saying why in its termination log (the operator
+    replaces such a pod alone, on another node); pod 0 keeps its processes and waits at the
+    round; the replacement joins it and the run ends as the unfaulted one."""
+    spec, reference = unfaulted
+    port = launch.free_port()
+    termination = tmp_path / "termination-log"
+    pod0, pod1 = _supervisors(
+        spec,
+        tmp_path,
+        2,
+        2,
+        port=port,
+        MESHTRAIN_TERMINATION_LOG=str(termination),
+        **{faults.ENV: "3:3:device"},
+    )
+    assert _wait([pod1], tmp_path) == [exitcodes.DEVICE_SUSPECT], _logs(tmp_path)
+    report = exitcodes.read_failure_report(termination.read_text())
+    assert report is not None and report[0] == exitcodes.DEVICE_SUSPECT, report
+    assert "failed twice" in report[1], report
+    assert pod0.poll() is None, _logs(tmp_path)  # not ended with the pod: waiting in place
+    [pod1] = _supervisors(spec, tmp_path, 2, 2, port=port, only=1)  # on a healthy GPU
+    codes = _wait([pod0, pod1], tmp_path)
+    text = _logs(tmp_path)
+    assert codes == [0, 0], text
+    pod1_log = (tmp_path / "sup-1.log").read_text()  # whole: _logs keeps each file's tail
+    assert pod1_log.count("rank 3 meets a GPU error before step 3") == 2, pod1_log
+    assert pod1_log.count(f"failed (exit {exitcodes.DEVICE_ERROR})") == 2, pod1_log
+    assert "taking it for bad" in pod1_log, pod1_log
+    joined = _pids(text)
+    last = max(joined)
+    assert last >= 2 and all(joined[0][r] == joined[last][r] for r in (0, 1)), text
+    records = recoveries.read(tmp_path / "logs" / recoveries.FILENAME)
+    assert records[-1]["tier"] in ("container", "pod") and records[-1]["ranks"] == [2, 3], records
+    _same_final_state(tmp_path, reference, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_bad_gpu_under_pod_0_hosting_the_store_halts_the_gang(
+    tmp_path: Path, unfaulted: tuple[Path, Path]
+) -> None:
+    """Rank 1 (pod 0's second GPU) fails twice: pod 0 cannot leave alone, since the store goes
+    with it, so it halts the gang and exits 79 without lingering; pod 1 leaves with 75 (the
+    operator reads it as following from pod 0's exit and rebuilds without pod 0's node)."""
+    spec, _ = unfaulted
+    pod0, pod1 = _supervisors(spec, tmp_path, 2, 2, **{faults.ENV: "1:3:device"})
+    assert _wait([pod0, pod1], tmp_path, timeout=240) == [
+        exitcodes.DEVICE_SUSPECT,
+        exitcodes.GANG_RESTART,
+    ], _logs(tmp_path)
+    pod0_log = (tmp_path / "sup-0.log").read_text()
+    assert pod0_log.count("rank 1 meets a GPU error before step 3") == 2, pod0_log
+    assert "taking it for bad" in pod0_log, pod0_log
+
+
 @pytest.mark.slow
 def test_a_restarted_pod_rejoins_while_the_other_keeps_its_processes(
     tmp_path: Path, unfaulted: tuple[Path, Path]
@@ -389,3 +485,65 @@ def test_losing_pod_0_and_its_store_sends_every_pod_to_a_gang_rebuild(tmp_path: 
     assert _wait([pod1], tmp_path, timeout=120) == [exitcodes.GANG_RESTART], _logs(tmp_path)
     report = exitcodes.read_failure_report(termination.read_text())
     assert report is not None and report[0] == exitcodes.GANG_RESTART
+
+
+def _store_pod(out: Path, port: int, pods: int, local: int) -> subprocess.Popen[bytes]:
+    """The store pod (``rendezvousStore: dedicated``) on loopback, in its own session."""
+    command = [
+        *(sys.executable, "-m", "meshtrain.trainer.recovery.store_host"),
+        *(f"--port={port}", f"--nnodes={pods}", f"--nproc-per-node={local}"),
+        *("--in-place-limit=10", "--shutdown-timeout=10"),
+    ]
+    return subprocess.Popen(
+        command,
+        cwd=REPO,
+        stdout=(out / "sup-store.log").open("ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.slow
+def test_with_a_store_pod_a_replaced_pod_0_rejoins_while_pod_1_keeps_its_processes(
+    tmp_path: Path, unfaulted: tuple[Path, Path]
+) -> None:
+    """``rendezvousStore: dedicated``: pod 0 (its supervisor, workers and spare) SIGKILLed and a
+    replacement pod (another UID) started in its slot; the store lives on in its own pod, pod 1's
+    ranks keep their processes, and the run ends exactly as the unfaulted one.  The store pod
+    leaves with 0 once every pod left."""
+    spec, reference = unfaulted
+    port = launch.free_port()
+    store_pod = _store_pod(tmp_path, port, 2, 2)
+    pod0, pod1 = _supervisors(spec, tmp_path, 2, 2, "--store=dedicated", port=port)
+    _wait_for_step(pod1, tmp_path, 2)
+    os.killpg(pod0.pid, signal.SIGKILL)
+    pod0.wait()
+    [pod0] = _supervisors(
+        spec, tmp_path, 2, 2, "--store=dedicated", port=port, only=0, MESHTRAIN_POD_UID="new-0"
+    )
+    codes = _wait([pod0, pod1, store_pod], tmp_path)
+    text = _logs(tmp_path)
+    assert codes == [0, 0, 0], text
+    assert "pod 0: restarted: joining the next round" in text
+    assert "meshtrain store: exit 0: rank 0 finished; every pod left" in text
+    joined = _pids(text)
+    last = max(joined)
+    assert last >= 1 and all(joined[0][r] == joined[last][r] for r in (2, 3)), text
+    assert all(joined[0][r] != joined[last][r] for r in (0, 1)), text
+    records = recoveries.read(tmp_path / "logs" / recoveries.FILENAME)
+    assert records and records[-1]["tier"] in ("container", "pod"), records
+    assert set(records[-1]["ranks"]) == {0, 1}, records
+    _same_final_state(tmp_path, reference, tmp_path)
+
+
+@pytest.mark.slow
+def test_losing_the_store_pod_sends_every_pod_to_a_gang_rebuild(tmp_path: Path) -> None:
+    raw = JobBuilder.cpu_run().layout(data=2).training(steps=500).raw()
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(raw))
+    port = launch.free_port()
+    store_pod = _store_pod(tmp_path, port, 2, 1)
+    pods = _supervisors(spec, tmp_path, 2, 1, "--warm-spares=0", "--store=dedicated", port=port)
+    _wait_for_step(pods[0], tmp_path)
+    os.killpg(store_pod.pid, signal.SIGKILL)
+    assert _wait(pods, tmp_path, timeout=120) == [exitcodes.GANG_RESTART] * 2, _logs(tmp_path)

@@ -86,3 +86,19 @@ def test_slow_steps_are_no_stall_but_the_idle_time_of_a_recovery_is() -> None:
     cost = fa.fault_cost(records, 35.0, fa.usual_gap(records))
     assert (cost.resumed_after, cost.steps_lost) == (4, 0)
     assert cost.next_step_at == pytest.approx(6.0 + 50.5)
+
+
+def test_a_recovery_in_place_faster_than_the_stall_floor_is_still_the_recovery() -> None:
+    """Measured in the sandbox: a worker killed after step 18 was restarted in place and its
+    state restored from memory; step 19 began 1.4 s after step 18 ended, under the 2 s floor
+    that keeps a slow step elsewhere from passing for a stall."""
+    steps = [fa.StepRecord(s, 10.0 + s * 0.5, 0.49) for s in range(1, 19)]
+    end_18 = steps[-1].end
+    resumed = [fa.StepRecord(s, end_18 + 1.4 + (s - 18) * 0.5, 0.49) for s in range(19, 30)]
+    records = steps + resumed
+    cost = fa.fault_cost(records, end_18 + 0.2, fa.usual_gap(records))
+    assert (cost.resumed_after, cost.steps_lost) == (18, 0)
+    assert cost.next_step_at == pytest.approx(resumed[0].end)
+    # the same idle time away from the fault is no stall
+    later = fa.fault_cost(records, resumed[3].end + 0.001, fa.usual_gap(records))
+    assert later.next_step_at is None

@@ -19,12 +19,12 @@ from meshtrain.operator.cluster import informer
 from meshtrain.operator.policy import (
     capacity_queue,
     conditions,
+    excluded_nodes,
     feasibility,
     identity,
     job_state,
     rescheduling,
     reservation,
-    stragglers,
 )
 from meshtrain.planner import placement_request
 from tests.builders import JobBuilder
@@ -621,7 +621,7 @@ def test_an_avoided_node_returns_when_the_last_rule_that_avoids_it_ends() -> Non
     fit = gang_fit.GangFit(cache, None, worker=None)  # type: ignore[arg-type]  # not planned
     now = datetime.datetime(2026, 12, 1, tzinfo=datetime.UTC)
     at = 500.0
-    since = now - datetime.timedelta(seconds=stragglers.EXCLUSION_SECONDS - 100)
+    since = now - datetime.timedelta(seconds=excluded_nodes.EXCLUSION_SECONDS - 100)
     body = JobBuilder("avoids", "ns").manifest()
     body["metadata"]["uid"] = "uid-avoids"
     body["status"] = {

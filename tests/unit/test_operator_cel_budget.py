@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from meshtrain.api import limits, loading
 from meshtrain.operator.policy import device_cel, devices
 from tests.builders import JobBuilder
@@ -45,6 +47,7 @@ def test_the_slow_selector_shape_passes_the_compile_time_bounds():
     )
 
 
+@pytest.mark.alone  # a wall-time budget: beside another worker, one evaluation outlasts it
 def test_a_pass_over_a_thousand_nodes_of_slow_selectors_stops_at_its_cel_budget():
     found = _inventory()
     job = JobBuilder().layout(data=8, gpus_per_node=8).resources(cpu="100m")

@@ -18,6 +18,7 @@ from meshtrain.api.spec import status as api_status
 from meshtrain.operator.policy import (
     conditions,
     disruption_budget,
+    excluded_nodes,
     job_actions,
     lifecycle,
     pod_state,
@@ -80,7 +81,7 @@ def test_a_node_that_disrupts_twice_is_excluded_and_the_next_placement_waits():
     [excluded] = status["excludedNodes"]
     assert excluded["node"] == "n1" and excluded["reason"] == disruption_budget.REASON
     assert "UnexpectedAdmissionError" in excluded["message"]
-    assert stragglers.excluded(status, at(7)) == {"n1"}  # what gang_fit leaves out
+    assert excluded_nodes.excluded(status, at(7)) == {"n1"}  # what gang_fit leaves out
     # Never requeue_after=0 for a repeated disruption: the next placement waits 5-7.5 s.
     assert decision.requeue_after is not None
     assert disruption_budget.BACKOFF_BASE_SECONDS <= decision.requeue_after <= 7.5
@@ -225,8 +226,8 @@ def test_a_straggler_exclusion_is_kept_and_an_expired_exclusion_is_renewed():
     _, status = cycle(spec(), status, 6)
     assert [e["node"] for e in status["excludedNodes"]] == ["n7", "n1"]
     # A day later n1 may be used again; disrupting once more excludes it again.
-    later = 6 + stragglers.EXCLUSION_SECONDS + 1
-    assert stragglers.excluded(status, at(later)) == frozenset()
+    later = 6 + excluded_nodes.EXCLUSION_SECONDS + 1
+    assert excluded_nodes.excluded(status, at(later)) == frozenset()
     _, status = cycle(spec(), status, later)
     assert [e["node"] for e in status["excludedNodes"]] == ["n7", "n1", "n1"]
-    assert stragglers.excluded(status, at(later + 1)) == {"n1"}
+    assert excluded_nodes.excluded(status, at(later + 1)) == {"n1"}

@@ -15,7 +15,12 @@ from typing import Any
 import pytest
 
 from meshtrain.api.spec import status as api_status
-from meshtrain.operator.policy import conditions, disruption_budget, lifecycle, stragglers
+from meshtrain.operator.policy import (
+    conditions,
+    disruption_budget,
+    excluded_nodes,
+    lifecycle,
+)
 from tests.unit.test_operator_container_reasons import (
     EVICTED,
     at,
@@ -92,7 +97,7 @@ def test_a_kubelet_admission_rejection_is_a_disruption_and_twice_excludes_the_no
     assert status["disruptions"]["nodes"][0]["reason"] == reason
     _, status = cycle(raw, status, 60, rejected(1, 1, reason, message))
     assert status["phase"] == "Restarting" and status["disruptions"]["streak"] == 2
-    assert stragglers.excluded(status, at(61)) == {"n1"}
+    assert excluded_nodes.excluded(status, at(61)) == {"n1"}
     [excluded] = status["excludedNodes"]
     assert excluded["reason"] == disruption_budget.REASON and reason in excluded["message"]
 

@@ -6,8 +6,8 @@ import asyncio
 import random
 from typing import Any
 
-from meshtrain.operator.cluster import informer
-from meshtrain.operator.policy import capacity, feasibility, naming
+from meshtrain.operator.cluster import informer, owned
+from meshtrain.operator.policy import capacity, feasibility, identity, naming
 
 
 def _controller(job: str, uid: str) -> list[dict[str, Any]]:
@@ -436,3 +436,67 @@ def test_the_cache_is_synced_once_the_jobs_of_every_watched_namespace_are_listed
     assert listed == ["a", "b"]  # each watched namespace, never all of them
     # the list of b (after a's) replaced b's jobs only
     assert cache.jobs.get(("a", "j")) is not None and cache.jobs.get(("b", "j")) is not None
+
+
+def _store_pod(name: str, version: int, job: str, **status: Any) -> dict[str, Any]:
+    """A store pod of TrainingJob ``job`` (its label and controller reference) on node n9."""
+    pod = _pod(name, version, job)
+    pod["metadata"]["labels"][naming.LABEL_STORE] = "true"
+    pod["spec"]["nodeName"] = "n9"
+    pod["status"].update(status)
+    return pod
+
+
+def test_a_gone_store_pod_s_last_version_is_kept_for_its_job_s_next_pass():
+    """``store_pod.loss`` reads it to tell PodGC's removal with a node from a user's deletion."""
+    cache = informer.Cache()
+    cache.jobs.upsert(_job("j", 1, "uid-j"))
+    gc_mark = {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByPodGC"}
+    store = _store_pod("j-r0-store", 3, "j", conditions=[gc_mark])
+    store["spec"]["containers"][0]["env"] = [{"name": "BIG", "value": "x" * 10_000}]
+    cache.pods.upsert(store)
+    assert cache.departed(("ns", "j-r0-store")) is None  # there: nothing departed
+    cache.pods.remove(_pod("j-r0-store", 4, "j"))  # the DELETED event
+    last = cache.departed(("ns", "j-r0-store"))
+    assert last is not None and last["spec"] == {"nodeName": "n9"}  # only what loss reads
+    assert last["status"]["conditions"] == [gc_mark]
+    assert last["metadata"]["ownerReferences"] == [{"uid": "uid-j"}]
+    assert owned.departed_store(cache, identity.JobRef("j", "ns", "uid-j"), 0) == last
+    namesake = identity.JobRef("j", "ns", "uid-new")  # deleted and made again since
+    assert owned.departed_store(cache, namesake, 0) is None
+    cache.pods.upsert(_store_pod("j-r0-store", 5, "j"))  # made again: no longer gone
+    assert cache.departed(("ns", "j-r0-store")) is None
+
+
+def test_only_the_store_pod_of_a_live_job_s_current_attempt_is_kept_when_it_goes():
+    """Anyone may label a pod or give it a controller reference: a store pod is kept only when
+    a live TrainingJob controls it and it is that job's current attempt's, one per job."""
+    cache = informer.Cache()
+    cache.jobs.upsert(_job("j", 1, "uid-j", restarts=1))
+    for name, job in (("j-r0-0", "j"), ("j-r0-store", "j"), ("x-r0-store", "x")):
+        pod = _store_pod(name, 3, job)  # a trainer pod, an earlier attempt's, no live job's
+        cache.pods.upsert(pod)
+        cache.pods.remove(_pod(name, 4, job))
+        assert cache.departed(("ns", name)) is None, name
+    forged = _store_pod("j-r1-store", 3, "j")
+    forged["metadata"]["ownerReferences"][0]["uid"] = "uid-other"
+    cache.pods.upsert(forged)
+    cache.pods.remove(_pod("j-r1-store", 4, "j"))
+    assert cache.departed(("ns", "j-r1-store")) is None
+    cache.pods.upsert(_store_pod("j-r1-store", 5, "j"))
+    cache.pods.remove(_pod("j-r1-store", 6, "j"))
+    assert cache.departed(("ns", "j-r1-store")) is not None
+
+
+def test_gone_store_pods_kept_are_bounded_in_number_and_time(monkeypatch):
+    cache = informer.Cache()
+    for i in range(informer.DEPARTED_LIMIT + 5):
+        cache.jobs.upsert(_job(f"j{i}", 1, f"uid-j{i}"))
+        cache.pods.upsert(_store_pod(f"j{i}-r0-store", 1, f"j{i}"))
+        cache.pods.remove(_pod(f"j{i}-r0-store", 2, f"j{i}"))
+    assert cache.departed(("ns", "j0-r0-store")) is None  # the oldest went first
+    newest = ("ns", f"j{informer.DEPARTED_LIMIT + 4}-r0-store")
+    assert cache.departed(newest) is not None
+    later = informer.time.monotonic() + informer.DEPARTED_SECONDS + 1
+    monkeypatch.setattr(informer.time, "monotonic", lambda: later)
+    assert cache.departed(newest) is None

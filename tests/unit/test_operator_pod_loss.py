@@ -18,6 +18,7 @@ from meshtrain.operator.policy import (
     pod_state,
     replacement,
     situation,
+    store_pod,
 )
 from tests.builders import JobBuilder
 from tests.unit.test_operator_lifecycle import at, job, kinds, placed_status, pod, status_of
@@ -100,6 +101,30 @@ def test_pod_zero_a_crash_an_old_gang_or_a_custom_trainer_rebuild_the_gang():
         job(custom.raw(), **three()), gang(pod(2, "Running", deleting=True)), at(5)
     )
     assert status_of(decision)["restarts"] == 1
+
+
+def test_with_a_store_pod_pod_zero_is_replaced_alone():
+    """``rendezvousStore: dedicated``: pod 0 hosts nothing, so its loss is the pod tier's."""
+    dedicated = (
+        JobBuilder()
+        .layout(data=3, gpus_per_node=1)
+        .run_policy(backoffLimit=1, recovery={"rendezvousStore": "dedicated"})
+        .raw()
+    )
+    action = replace_of(
+        lifecycle.decide(job(dedicated, **three()), gang(pod(0, "Running", deleting=True)), at(5))
+    )
+    assert action.indices == (0,) and action.causes == ((0, "j-r0-0", "pod deleted"),)
+    # in place off: no store pod (nor rejoin), pod 0's loss rebuilds the gang
+    off = (
+        JobBuilder()
+        .layout(data=3, gpus_per_node=1)
+        .run_policy(backoffLimit=1, recovery={"rendezvousStore": "dedicated", "inPlace": False})
+    )
+    decision = lifecycle.decide(
+        job(off.raw(), **three()), gang(pod(0, "Running", deleting=True)), at(5)
+    )
+    assert status_of(decision)["restarts"] == 1 and "ReplacePods" not in kinds(decision)
 
 
 def test_recovery_in_place_off_or_a_smaller_limit_rebuild_the_gang():
@@ -311,3 +336,82 @@ def test_a_changed_recovery_policy_refuses_the_pod_tier():
     assert not replacement.recovery_changed(pod0, built(spareNodes=2))  # not the trainer's
     assert replacement.recovery_changed(pod0, built(inPlaceLimit=3))
     assert replacement.recovery_changed(pod0, built(rejoinTimeoutSeconds=60))
+
+
+def _runtime_lost(index: int) -> pod_state.PodState:
+    """Pod ``index`` as the sandbox's real kubelet reported it after its node's kubelet and
+    containerd were SIGKILLed with their shims and started again 20 s later (a pod of
+    ``restartPolicy: Never`` on gpu-b0-l0-n1, 2026-12-01): Failed, its container terminated with
+    reason Unknown and exit code 255."""
+    manifest = builders.build_pod(job(spec()).ref, job(spec()).spec, 0, index, f"n{index}")
+    manifest["status"] = {
+        "phase": "Failed",
+        "containerStatuses": [
+            {
+                "name": naming.CONTAINER,
+                "state": {
+                    "terminated": {
+                        "containerID": "containerd://6a856be5c040",
+                        "exitCode": 255,
+                        "reason": "Unknown",
+                        "startedAt": "2026-12-01T08:57:40Z",
+                        "finishedAt": "2026-12-01T08:58:10Z",
+                    }
+                },
+            }
+        ],
+    }
+    read = pod_state.read(manifest)
+    assert read is not None and read.runtime_lost
+    return read
+
+
+def test_a_pod_whose_container_its_runtime_lost_is_replaced_alone_as_a_disruption():
+    """Not the trainer's exit: the node's runtime restarted under it.  Replaced alone where the
+    gang rejoins (its node may take it back: it is Ready again), else the gang is rebuilt as a
+    disruption, outside ``backoffLimit``."""
+    lost = _runtime_lost(2)
+    action = replace_of(lifecycle.decide(job(spec(), **three()), gang(lost), at(5)))
+    assert action.causes == ((2, lost.name, "container runtime lost it"),)
+    assert action.avoid == ()
+    assert status_of(job_actions.Decision(action.otherwise))["disruptionRestarts"] == 1
+    off = JobBuilder().layout(data=3, gpus_per_node=1).run_policy(recovery={"inPlace": False})
+    decision = lifecycle.decide(job(off.raw(), **three()), gang(lost), at(5))
+    status = status_of(decision)
+    assert status["restarts"] == 1 and status["disruptionRestarts"] == 1, status
+    crashed = pod(2, "Failed", exit_code=255)  # the trainer's own exit 255: its failure
+    status = status_of(lifecycle.decide(job(off.raw(), **three()), gang(crashed), at(5)))
+    assert status["restarts"] == 1 and not status.get("disruptionRestarts"), status
+
+
+def test_a_container_the_kubelet_no_longer_finds_is_lost_by_the_node_and_a_store_pod_too():
+    """``ContainerStatusUnknown`` (exit 137) is the kubelet's own words for a container the
+    runtime no longer reports: not the trainer's exit.  A store pod the runtime lost is a
+    disruption of the gang as well."""
+    manifest = builders.build_pod(job(spec()).ref, job(spec()).spec, 0, 2, "n2")
+    gone = {"exitCode": 137, "reason": "ContainerStatusUnknown", "message": "could not locate"}
+    manifest["status"] = {
+        "phase": "Failed",
+        "containerStatuses": [{"name": naming.CONTAINER, "state": {"terminated": gone}}],
+    }
+    lost = pod_state.read(manifest)
+    assert lost is not None and lost.runtime_lost
+    action = replace_of(lifecycle.decide(job(spec(), **three()), gang(lost), at(5)))
+    assert action.causes == ((2, lost.name, "container runtime lost it"),)
+    dedicated = JobBuilder().layout(data=4, gpus_per_node=2)
+    state = job(
+        dedicated.run_policy(recovery={"rendezvousStore": "dedicated"}).raw(),
+        **three(startTime="2026-01-01T00:00:00Z"),
+    )
+    store = builders.build_store_pod(state.ref, state.spec, 0, placed="2026-01-01T00:00:00Z")
+    store["status"] = {
+        "phase": "Failed",
+        "containerStatuses": [
+            {"name": "store", "state": {"terminated": {"exitCode": 255, "reason": "Unknown"}}}
+        ],
+    }
+    failed = store_pod.loss([store], state.status, "j")
+    assert failed is not None and failed.disruption and "ContainerRuntimeLost" in failed.message
+    store["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] = "Error"
+    own = store_pod.loss([store], state.status, "j")  # its own exit 255: a failure
+    assert own is not None and not own.disruption

@@ -169,6 +169,13 @@ def test_a_queued_job_without_a_workload_creates_one_and_places_nothing():
     assert _queued(decision)["status"] == "True"
 
 
+def test_queued_is_written_before_the_workload_is_created():
+    """A job without its label is looked up in Kueue only when it was queued (its status says
+    so): a Workload created before that status landed could outlive a label removed meanwhile."""
+    kinds = _types(lifecycle.decide(job(), [], T0, kueue_workload.Gate(None)))
+    assert kinds.index(job_actions.SetStatus) < kinds.index(kueue_workload.CreateWorkload)
+
+
 def test_a_waiting_job_keeps_no_pods_and_says_kueues_reason():
     gate = kueue_workload.Gate(
         kueue_workload.Waiting("Pending", "insufficient quota for nvidia.com/gpu")

@@ -15,7 +15,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-from meshtrain.api import elastic
+from meshtrain.api import elastic, exitcodes
 from meshtrain.operator.policy import (
     conditions,
     identity,
@@ -192,6 +192,18 @@ def _pods(r: random.Random, pods: int, attempt: int, running: bool) -> list[pod_
         if running and pods > 1 and r.random() < 0.3:  # a gang that rejoins loses its last pod
             gang = [dataclasses.replace(p, rejoins=True) for p in gang]
             gang[-1] = dataclasses.replace(gang[-1], deleting=True)
+        elif running and pods > 1 and r.random() < 0.15:  # the others gave up; pod 0 still runs
+            code = exitcodes.GANG_RESTART
+            gang[1:] = [
+                dataclasses.replace(
+                    p,
+                    phase="Failed",
+                    exit_code=code,
+                    reported=(code, "halted"),
+                    finished_at=at(r.choice([-60, 0])),
+                )
+                for p in gang[1:]
+            ]
     stale = [_pod(r, r.randrange(pods), attempt - 1) for _ in range(r.choice([0, 0, 1])) if attempt]
     return gang + stale
 

@@ -10,6 +10,7 @@ import pytest
 from meshtrain.api import loading
 from meshtrain.operator.policy import (
     conditions,
+    excluded_nodes,
     job_actions,
     lifecycle,
     placement_status,
@@ -154,7 +155,7 @@ def test_replace_stops_the_gang_excludes_the_node_and_counts_no_restart():
     assert reasons == [conditions.STRAGGLER_REPLACED]
     # The new gang waits for the old pods, then is placed (the reconciler leaves n1 out).
     after = job(spec_raw("replace"), **{**flagged(), **status})
-    assert stragglers.excluded(after.status, at(11)) == {"n1"}
+    assert excluded_nodes.excluded(after.status, at(11)) == {"n1"}
     assert kinds(lifecycle.decide(after, [], at(11))) == ["Place"]
 
 
@@ -195,17 +196,17 @@ def test_a_failed_gang_restarts_without_its_straggler_and_a_stale_one_replaces_n
 
 
 def test_an_excluded_node_is_chosen_again_after_the_exclusion_expires():
-    ttl = stragglers.EXCLUSION_SECONDS
+    ttl = excluded_nodes.EXCLUSION_SECONDS
     status = {
         "excludedNodes": [
             {"node": "n1", "reason": "Straggler", "time": "2026-01-01T12:00:00Z"},
             {"node": "n2", "reason": "Straggler"},  # no time: stays excluded
         ]
     }
-    assert stragglers.excluded(status, at(ttl - 1)) == {"n1", "n2"}
-    assert stragglers.returns_in(status, at(ttl - 1)) == {"n1": 1.0, "n2": math.inf}
-    assert stragglers.excluded(status, at(ttl)) == {"n2"}
-    assert stragglers.returns_in(status, at(ttl)) == {"n2": math.inf}
+    assert excluded_nodes.excluded(status, at(ttl - 1)) == {"n1", "n2"}
+    assert excluded_nodes.returns_in(status, at(ttl - 1)) == {"n1": 1.0, "n2": math.inf}
+    assert excluded_nodes.excluded(status, at(ttl)) == {"n2"}
+    assert excluded_nodes.returns_in(status, at(ttl)) == {"n2": math.inf}
     # Expired, the node may be replaced again if it is slow again (within maxReplacements).
     state = job(
         spec_raw("replace"),

@@ -120,12 +120,31 @@ class Recovery(base.SpecModel):
         description="How long the ranks wait at a new rendezvous round for every rank (a replaced pod's included) "
         "before giving up; then the pods exit with the gang-restart code and the operator rebuilds the gang.",
     )
+    stall_timeout_seconds: int = Field(
+        600,
+        ge=0,
+        le=limits.MAX_REJOIN_SECONDS,
+        description="A gang whose rank 0 made no progress (a restore, a completed step) for this long while every "
+        "rank is in the round is taken as hung: a collective that never returns (a stuck GPU or link; NCCL's "
+        "watchdog leaves the communicators to the supervisor's abort). It is recovered like a failed process: "
+        "every rank's process groups are aborted and the gang meets in a new round in the same processes, an "
+        "in-place restart with cause stalled (past inPlaceLimit, or without inPlace, the gang is rebuilt). Set it "
+        "above the longest step plus an evaluation and a synchronous checkpoint save, and above the engine's build "
+        "and the restore at a round's start (the final saves are not watched). 0: never. Built-in trainer only.",
+    )
     spare_nodes: int = Field(
         0,
         ge=0,
         le=limits.MAX_SPARE_NODES,
         description="Nodes kept reserved for this job beside its gang, so a pod lost with its node is re-placed "
         "there without waiting for the scheduler; 0: none.",
+    )
+    rendezvous_store: Literal["pod0", "dedicated"] = Field(
+        "pod0",
+        description="Where the built-in trainer's rendezvous store runs (with inPlace; ignored otherwise). pod0: in "
+        "pod 0's supervisor, so losing pod 0 or its node rebuilds the gang. dedicated: in a small pod of its own "
+        "(no GPU, the job's tolerations, kept off the gang's nodes where the scheduler can), so a lost pod 0 is "
+        "replaced alone like any other pod and only the store pod's own loss rebuilds the gang (docs/recovery.md).",
     )
     torchrun_elastic: bool = Field(
         False,
@@ -136,6 +155,12 @@ class Recovery(base.SpecModel):
         "them (recovery_counts.torchrun on trainer.progressPort); gangs of more than 10 pods keep the gang "
         "rebuild (docs/recovery.md).",
     )
+
+    @property
+    def dedicated_store(self) -> bool:
+        """Whether the built-in trainer's rendezvous store runs in a pod of its own (``dedicated``
+        with ``inPlace``; without in-place recovery every failure rebuilds the gang anyway)."""
+        return self.in_place and self.rendezvous_store == "dedicated"
 
 
 class RunPolicy(base.SpecModel):

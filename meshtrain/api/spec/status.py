@@ -178,9 +178,14 @@ class ExcludedNode(base.StatusModel):
     """A node this job is not placed on again."""
 
     node: str = Field(description="Node name.")
-    reason: str = Field(description="Why: Straggler, or Disrupted (it disrupted the job twice).")
+    reason: str = Field(
+        description="Why: Straggler, Disrupted (it disrupted the job twice), or BadGPU (a GPU of"
+        " the job's pod there failed twice within an hour)."
+    )
     message: str = Field(
-        "", description="With the numbers: rank, slowdown, step; or the disruptions."
+        "",
+        description="With the numbers: rank, slowdown, step; the disruptions; or the"
+        " supervisor's words for the bad GPU.",
     )
     time: str | None = Field(None, description="RFC 3339 time it was excluded.")
     rank: int | None = Field(
@@ -393,8 +398,9 @@ class TrainingJobStatus(base.StatusModel):
     )
     excluded_nodes: list[ExcludedNode] = Field(
         default_factory=list,
-        description="Nodes a straggler was replaced on, or that disrupted the job twice; each is left out of "
-        "this job's placements for 24 h after its time.",
+        description="Nodes a straggler was replaced on, that disrupted the job twice, or where a GPU"
+        " of its pod failed twice; each is left out of this job's placements for 24 h after its"
+        " time.",
     )
     straggler_replacements: int = Field(
         0, ge=0, description="Gangs rebuilt without a straggler's node so far."

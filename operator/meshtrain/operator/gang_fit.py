@@ -24,12 +24,12 @@ from meshtrain.operator.policy import (
     builders,
     capacity,
     devices,
+    excluded_nodes,
     feasibility,
     job_state,
     kueue_topology,
     placement_outcome,
     rescheduling,
-    stragglers,
     volumes,
 )
 from meshtrain.planner import profiles
@@ -73,7 +73,7 @@ class GangFit:
         raw_nodes, nodes = self._nodes(gpu)
         at = time.monotonic() if at is None else at
         refused = rescheduling.excluded(self.refusals.get(job.ref.uid), at)
-        avoid = stragglers.excluded(job.status, now) | refused | also_avoid
+        avoid = excluded_nodes.excluded(job.status, now) | refused | also_avoid
         if avoid:
             raw_nodes = [n for n in raw_nodes if n["metadata"]["name"] not in avoid]
             nodes = [n for n in nodes if n.name not in avoid]
@@ -87,7 +87,7 @@ class GangFit:
         of the rules that avoid each, for nodes that exist (None: none will by time alone).  The
         plan's candidates change then, with no capacity change."""
         refused = rescheduling.returns_in(self.refusals.get(job.ref.uid), at)
-        replaced = stragglers.returns_in(job.status, now)
+        replaced = excluded_nodes.returns_in(job.status, now)
         present = {node["metadata"]["name"] for node in self._nodes(gpu)[0]}
         ends = {
             node: max(refused.get(node, 0.0), replaced.get(node, 0.0))

@@ -60,10 +60,12 @@ from meshtrain.operator.policy import (
     placement_outcome,
     placement_status,
     pod_state,
+    replacement,
     rescheduling,
     reservation,
     resizing,
     retries,
+    store_pod,
     topology_hold,
     torchrun_tier,
     volumes,
@@ -260,7 +262,9 @@ class Placer:
         gang = [
             p
             for p in self.cache.job_pods(ref.namespace, ref.name)
-            if capacity.owned_by(p, ref.uid) and capacity.holds_gpus(p)
+            if capacity.owned_by(p, ref.uid)
+            and capacity.holds_gpus(p)
+            and not store_pod.is_store(p)
         ]
         planned = collections.Counter(identity.planned_node(p) or "" for p in gang)
         if not gang:
@@ -365,15 +369,18 @@ class Placer:
 
         The state machine deleted them this pass (stale pods); what the wait says is the same
         policy's as for the attempt's own (``placement_outcome.old_gang_leaving``).  Their
-        deletion wakes the job.
+        deletion wakes the job.  An earlier attempt's store pod is no reason to wait (the new
+        store has another name); this attempt's, still terminating, is.
         """
-        leaving = capacity.still_leaving(
-            owned.owned_pods(self.cache, job.ref), int(job.status.get("restarts") or 0)
-        )
-        if not leaving:
+        owned_pods = owned.owned_pods(self.cache, job.ref)
+        attempt = int(job.status.get("restarts") or 0)
+        gang = [p for p in owned_pods if not store_pod.is_store(p)]
+        leaving = capacity.still_leaving(gang, attempt)
+        stores = store_pod.terminating(owned_pods, attempt)  # the new store takes its name
+        if not leaving and not stores:
             return None
         pods = [s for s in (pod_state.read(p) for p in leaving) if s is not None]
-        waiting = placement_outcome.old_gang_leaving(job, pods, clock.now())
+        waiting = placement_outcome.old_gang_leaving(job, pods, clock.now(), stores)
         return await self.writer.set_status(body, job, waiting.status)
 
     async def resolved_gang(self) -> gang_backend.Resolved:
@@ -518,7 +525,10 @@ class Placer:
     def _beside_own(self, job: job_state.JobState) -> bool:
         """Whether the job still has pods holding resources: its plan may use what they free,
         which the free slots do not count (its shape is then unknown: always woken)."""
-        return any(feasibility.holds_resources(p) for p in owned.owned_pods(self.cache, job.ref))
+        return any(
+            feasibility.holds_resources(p) and not store_pod.is_store(p)
+            for p in owned.owned_pods(self.cache, job.ref)
+        )
 
     def _node(self, name: str) -> dict[str, Any] | None:
         return self.cache.nodes.get(("", name))
@@ -577,7 +587,10 @@ class Placer:
             for i, node in recovery.nodes
         ]
         refused = await children.ensure(
-            self.client, ref.uid, self._shared_children(ref, spec, group), pods
+            self.client,
+            ref.uid,
+            self._shared_children(ref, spec, group, attempt, job.status),
+            pods,
         )
         if refused is not None:
             return await self._refused(body, job, refused)
@@ -689,7 +702,9 @@ class Placer:
                 pod_group=gang_backend.native_group(group),
             )
         ]
-        gang = creating.Gang(ref, self._shared_children(ref, spec, group), pods)
+        gang = creating.Gang(
+            ref, self._shared_children(ref, spec, group, attempt, job.status), pods
+        )
         creating.assume(self.cache, gang)
         return (body, job, True), (outcome, gang)
 
@@ -756,11 +771,19 @@ class Placer:
         return body, job, changed
 
     def _shared_children(
-        self, ref: identity.JobRef, spec: api_spec.TrainingJobSpec, group: dict[str, Any] | None
+        self,
+        ref: identity.JobRef,
+        spec: api_spec.TrainingJobSpec,
+        group: dict[str, Any] | None,
+        attempt: int,
+        status: Mapping[str, Any],
     ) -> list[dict[str, Any]]:
         """The gang's objects besides its pods: spec ConfigMap, headless Service, PodGroup of the
         gang backend (``gang_backend``), NetworkPolicy in an isolated namespace, DRA claim objects
-        with resources.dra.
+        with resources.dra, and the store pod of gang ``attempt`` with ``rendezvousStore:
+        dedicated`` (made before the trainer pods, never again once they run: a new store would
+        be empty), stamped with the placement's ``startTime`` and kept off its nodes where it can
+        be (``status``, written before the gang's objects are made).
 
         Crash recovery ensures them again with the missing pods (they exist: each is read, and
         brought up to date when it is the job's), so a recovered gang never rests on how far the
@@ -773,4 +796,20 @@ class Placer:
             *([builders.build_network_policy(ref, spec, self.gang_peers)] if isolated else []),
             *([group] if group else []),
             *builders.build_device_claims(ref, spec),
+            *(
+                [
+                    builders.build_store_pod(
+                        ref,
+                        spec,
+                        attempt,
+                        placed=str(status.get("startTime") or ""),
+                        avoid=[
+                            str(e.get("node") or "") for e in replacement.entries(status).values()
+                        ],
+                        default_image=self.trainer_image,
+                    )
+                ]
+                if kubelet_tier.store_pod(spec)
+                else []
+            ),
         ]

@@ -52,6 +52,7 @@ from meshtrain.operator.policy import (
     rescheduling,
     resizing,
     retries,
+    store_pod,
     stragglers,
 )
 from meshtrain.planner import profiles
@@ -204,8 +205,9 @@ class Reconciler:
         )
         job = job_state.read(body)
         queue = kueue_workload.queue_of((body.get("metadata") or {}).get("labels"))
+        released = await self._release_stores(job)  # before a placement could meet a stale one
         decision, kueue, workload = await self._decide(body, job, queue)
-        changed = refused_now = False
+        changed, refused_now = released, False
         for action in decision.actions:
             if isinstance(action, workloads.ACTIONS):
                 try:
@@ -283,6 +285,15 @@ class Reconciler:
             changed=changed, requeue_after=requeue, waiting_for_capacity=waiting, done=done
         )
 
+    async def _release_stores(self, job: job_state.JobState) -> bool:
+        """Delete the job's store pods no gang needs any more (``store_pod.doomed``)."""
+        doomed = store_pod.doomed(owned.owned_pods(self.cache, job.ref), job.status)
+        if doomed:
+            ref = job.ref
+            logger.info("%s/%s: store pod(s) no gang needs: %s", ref.namespace, ref.name, doomed)
+            await owned.delete_pods(self.client, self.cache, job.ref, doomed)
+        return bool(doomed)
+
     async def _decide(
         self, body: dict[str, Any], job: job_state.JobState, queue: kueue_workload.Queue | None
     ) -> tuple[job_actions.Decision, kueue_workload.Gate | None, dict[str, Any] | None]:
@@ -300,7 +311,17 @@ class Reconciler:
         spares = sum(feasibility.holds_resources(p) for p in sparing.spare_pods(pods))
         on = {n for n in planned if isinstance(n, str)} | {s.node for s in states if s.node}
         labels = kueue_reassigned.node_labels(on, lambda n: self.cache.nodes.get(("", n)))
-        decision = lifecycle.decide(job, states, clock.now(), kueue, gone, spares, labels)
+        departed = owned.departed_store(self.cache, job.ref, int(job.status.get("restarts") or 0))
+        stores_on = {
+            n
+            for p in [*store_pod.store_pods(pods), *([departed] if departed else [])]
+            if (n := (p.get("spec") or {}).get("nodeName"))
+        }
+        down = frozenset(  # a node gone from the cache (deleted) is not Ready either
+            n for n in stores_on if not feasibility.ready(self.cache.nodes.get(("", n)) or {})
+        )
+        lost = store_pod.loss(pods, job.status, job.ref.name, down, departed)
+        decision = lifecycle.decide(job, states, clock.now(), kueue, gone, spares, labels, lost)
         return decision, kueue, workload
 
     async def _gates_in_pass(

@@ -144,17 +144,20 @@ class Replacer:
         self, job: job_state.JobState, attempt: int, where: kueue_workload.Assignment
     ) -> bool:
         """Whether a replacement built now would carry another ``runPolicy.recovery`` than the
-        gang's pod 0 (the spec hash leaves runPolicy out: no gang rebuild followed the edit)."""
+        gang's running pods (the spec hash leaves runPolicy out: no gang rebuild followed the
+        edit): pod 0's, or, when pod 0 is being replaced too (a store pod hosts the rendezvous),
+        another pod of the attempt that is not being deleted."""
         first = naming.pod_name(job.ref.name, attempt, 0)
-        pod0 = next(
-            (
-                p
-                for p in owned.owned_pods(self.placer.cache, job.ref)
-                if p["metadata"]["name"] == first
-            ),
-            None,
+        gang = [
+            p
+            for p in owned.owned_pods(self.placer.cache, job.ref)
+            if naming.int_label(p["metadata"].get("labels"), naming.LABEL_ATTEMPT) == attempt
+            and naming.LABEL_NODE_RANK in (p["metadata"].get("labels") or {})
+        ]
+        survivor = next((p for p in gang if p["metadata"]["name"] == first), None) or next(
+            (p for p in gang if not p["metadata"].get("deletionTimestamp")), None
         )
-        return replacement.recovery_changed(pod0, self._template(job, attempt, where))
+        return replacement.recovery_changed(survivor, self._template(job, attempt, where))
 
     def _vacated(
         self, job: job_state.JobState, attempt: int, chosen: dict[int, tuple[str, str]]

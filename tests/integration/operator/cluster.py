@@ -29,7 +29,7 @@ from meshtrain.operator.cluster import children, informer, kube
 from meshtrain.operator.policy import kueue_workload, naming
 from meshtrain.sandbox import controlplane
 from meshtrain.sandbox.controlplane import binaries
-from meshtrain.sandbox.controlplane.ports import pick_free_port
+from meshtrain.sandbox.controlplane.ports import bind_failed, pick_free_port
 from tests.builders import POOL_LABEL, JobBuilder
 
 GROUP, VERSION, PLURAL = "meshtrain.io", "v1alpha1", "trainingjobs"
@@ -39,9 +39,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 
 def wait_for(
-    what: str, check: Callable[[], Any], timeout: float = 30.0, interval: float = 0.1
+    what: str,
+    check: Callable[[], Any],
+    timeout: float = 30.0,
+    interval: float = 0.1,
+    explain: Callable[[], str] | None = None,
 ) -> Any:
-    """Poll ``check`` until it returns something truthy; fail with ``what`` after ``timeout``."""
+    """Poll ``check`` until it returns something truthy; fail with ``what`` after ``timeout``,
+    and with what ``explain`` says then (an operator's log lines, say)."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -49,7 +54,44 @@ def wait_for(
         if last:
             return last
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+    told = f"\n{explain()}" if explain is not None else ""
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r}){told}")
+
+
+SETTLE_CALM_SECONDS = 5.0
+"""How long a chaos test's jobs must stay settled before it counts them settled."""
+
+
+def settle(
+    unsettled: Callable[[], list[str]], timeout: float, calm: float = SETTLE_CALM_SECONDS
+) -> list[str]:
+    """Poll ``unsettled`` until it has stayed empty for ``calm`` seconds, or ``timeout`` passes;
+    what it said last.  One empty answer is not enough: a fault's late effect (capacity freed by a
+    deleted job, say) can still move a job that looked settled, between two reads."""
+    deadline = time.monotonic() + timeout
+    calm_since: float | None = None
+    while True:
+        left = unsettled()
+        now = time.monotonic()
+        if left:
+            calm_since = None
+        elif calm_since is None:
+            calm_since = now
+        elif now - calm_since >= calm:
+            return left
+        if now >= deadline:
+            return left
+        time.sleep(0.5)
+
+
+def log_lines(path: str, *needles: str, last: int = 60) -> str:
+    """The last ``last`` lines of the log at ``path`` that hold any of ``needles``."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as log:
+            found = [line.rstrip() for line in log if any(n in line for n in needles)]
+    except OSError as err:
+        return f"{path}: {err}"
+    return f"{path}, last lines of {needles}:\n" + "\n".join(found[-last:])
 
 
 class Cluster:
@@ -336,15 +378,16 @@ class Cluster:
     ) -> list[Any]:
         """Wait until ``count`` pods of ``attempt`` exist, none gated, none older left; returns them.
 
-        A spare node's placeholder pod carries the job's label too but is no member of the gang:
-        it may appear before or after the gang is ungated, so it is never counted.
+        A spare node's placeholder pod and the rendezvous store's pod carry the job's label too
+        but are no members of the gang (no node rank): they may appear before or after the gang
+        is ungated, so they are never counted.
         """
 
         def ready() -> list[Any] | None:
             pods = [
                 p
                 for p in self.pods(namespace, job)
-                if naming.LABEL_SPARE not in (p.metadata.labels or {})
+                if naming.LABEL_NODE_RANK in (p.metadata.labels or {})
             ]
             if len(pods) != count or any(
                 p.metadata.labels["meshtrain.io/attempt"] != str(attempt) for p in pods
@@ -431,7 +474,7 @@ class OperatorProcess:
         self.identity = identity or f"operator-{uuid.uuid4().hex[:6]}"
         """Lease holder name (POD_NAME): a restart keeps it, as a container restart keeps its pod name."""
 
-    def start(self) -> None:
+    def _start_once(self) -> None:
         command = [
             sys.executable,
             "-m",
@@ -461,6 +504,23 @@ class OperatorProcess:
             command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env
         )
         wait_for("operator liveness endpoint", self.alive, timeout=60, interval=0.2)
+
+    def start(self, attempts: int = 5) -> None:
+        """Start the operator; a port another process took since it was picked (the health or
+        metrics port is only free "a moment ago") gets new ports and another try."""
+        for attempt in range(attempts):
+            logged = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
+            try:
+                self._start_once()
+                return
+            except AssertionError:
+                with open(self.log_path, "rb") as log:
+                    log.seek(logged)
+                    since = log.read().decode(errors="replace")
+                if attempt + 1 == attempts or not bind_failed(since):
+                    raise
+                self.kill()
+                self.health_port, self.metrics_port = pick_free_port(), pick_free_port()
 
     def alive(self) -> bool:
         if self.process is None or self.process.poll() is not None:

@@ -48,7 +48,13 @@ from meshtrain.placement import values as placement_values
 from meshtrain.sandbox import controlplane
 from tests.builders import POOL_LABEL, JobBuilder
 from tests.integration.operator import test_operator_chaos as operator_chaos
-from tests.integration.operator.cluster import SIM_DRIVER, Cluster, OperatorProcess, wait_for
+from tests.integration.operator.cluster import (
+    SIM_DRIVER,
+    Cluster,
+    OperatorProcess,
+    settle,
+    wait_for,
+)
 from tests.integration.operator.test_devices_vs_scheduler import _operator_view
 from tests.integration.operator.test_feasibility_vs_scheduler import (
     _ignore_missing,
@@ -478,10 +484,7 @@ def test_both_kinds_of_gpu_through_chaos_match_the_scheduler(plane):
             plan = list(FAULTS)
             rng.shuffle(plan)
             chaos.run(plan)
-            deadline = time.monotonic() + SETTLE_SECONDS
-            while _unsettled(plane, chaos.jobs) and time.monotonic() < deadline:
-                time.sleep(1)
-            unsettled = _unsettled(plane, chaos.jobs)
+            unsettled = settle(lambda: _unsettled(plane, chaos.jobs), SETTLE_SECONDS)
         finally:
             operator.stop()
         sampler.check()

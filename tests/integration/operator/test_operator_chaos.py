@@ -31,7 +31,12 @@ import pytest
 
 from tests.builders import JobBuilder
 from tests.integration.operator import invariants
-from tests.integration.operator.cluster import Cluster, OperatorProcess
+from tests.integration.operator.cluster import (
+    SETTLE_CALM_SECONDS,
+    Cluster,
+    OperatorProcess,
+    settle,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -383,12 +388,9 @@ def test_jobs_converge_through_operator_kills_and_node_faults(plane, tmp_path):
             chaos.run(plan)
             faults_over = time.monotonic()
             jobs = [(namespace, f"j{i:02d}") for i in range(JOBS)] + [(chaos.restricted, "strict")]
-            deadline = time.monotonic() + SETTLE_SECONDS
-            while _settled(plane, jobs) and time.monotonic() < deadline:
-                time.sleep(1)
-            settled_after = time.monotonic() - faults_over
-            time.sleep(3)  # a late second count of a restart would show now
-            unsettled = _settled(plane, jobs)
+            unsettled = settle(lambda: _settled(plane, jobs), SETTLE_SECONDS)
+            # calm that long, a late second count of a restart would have shown
+            settled_after = time.monotonic() - faults_over - SETTLE_CALM_SECONDS
             faults_seconds = faults_over - phases.started
     finally:
         operator.stop()

@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from meshtrain.api import rules
+from meshtrain.api.spec import run_policy
 from tests.builders import JobBuilder
 
 pytestmark = pytest.mark.integration
@@ -357,15 +358,9 @@ def test_a_valid_job_is_accepted_with_defaults(cluster, namespace):
     assert stored["spec"]["parallelism"]["schedule"] == "1f1b"
     assert stored["spec"]["runPolicy"]["backoffLimit"] == 3
     assert stored["spec"]["resources"]["gpuResourceName"] == "nvidia.com/gpu"
+    # the API server's defaults (the CRD's schema) are the spec model's, every field of them
     recovery = stored["spec"]["runPolicy"]["recovery"]
-    assert recovery == {
-        "inPlace": True,
-        "inPlaceLimit": 10,
-        "warmSpares": 1,
-        "rejoinTimeoutSeconds": 120,
-        "spareNodes": 0,
-        "torchrunElastic": False,
-    }
+    assert recovery == run_policy.Recovery().model_dump(by_alias=True, mode="json")
 
 
 def test_a_custom_program_may_declare_its_progress_port(cluster, namespace):

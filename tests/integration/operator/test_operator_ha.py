@@ -8,6 +8,7 @@ again at the end.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 
@@ -115,3 +116,20 @@ def test_a_crash_restarted_leader_resumes_at_once(cluster, namespace, pool, tmp_
         assert time.monotonic() - restarted < 40  # the dead leader's Lease had 60 s left
     finally:
         leader.stop()
+
+
+def test_a_replica_whose_health_port_was_taken_since_it_was_picked_starts_on_new_ports(
+    cluster, replicas
+):
+    """The test harness's ports are free "a moment ago"; CI once lost one to another process
+    between the pick and the operator's bind, and every test of the session failed with it."""
+    replica = replicas[0]
+    taken = replica.health_port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        replica.start()
+        assert replica.health_port != taken
+        with open(replica.log_path, encoding="utf-8") as log:
+            assert "address already in use" in log.read()
+    assert replica.alive()

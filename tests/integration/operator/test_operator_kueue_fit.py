@@ -30,7 +30,13 @@ from meshtrain.operator.policy import kueue_workload
 from meshtrain.sandbox import controlplane
 from meshtrain.sandbox.controlplane import kueue
 from tests.builders import JobBuilder
-from tests.integration.operator.cluster import REPO, Cluster, OperatorProcess, wait_for
+from tests.integration.operator.cluster import (
+    REPO,
+    Cluster,
+    OperatorProcess,
+    log_lines,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -144,6 +150,10 @@ def _chart_lease() -> str:
     return name
 
 
+OPERATOR_LOG: dict[str, str] = {}
+"""``path``: the module's operator log (a test that times out quotes it)."""
+
+
 @pytest.fixture(scope="module")
 def fit(control_plane_binaries, tmp_path_factory) -> Iterator[Cluster]:
     work = tmp_path_factory.mktemp("kueue-fit")
@@ -172,9 +182,10 @@ def fit(control_plane_binaries, tmp_path_factory) -> Iterator[Cluster]:
             for _ in range(2):  # room for two gangs: only Kueue's quota limits them
                 cluster.add_node("solo", gpus=8)
             _tiers(cluster)
+            OPERATOR_LOG["path"] = str(work / "operator.log")
             process = OperatorProcess(
                 _service_account_kubeconfig(plane, cluster),
-                str(work / "operator.log"),
+                OPERATOR_LOG["path"],
                 lease=_chart_lease(),  # the RBAC grants get/update on that Lease only
                 lease_namespace=OPERATOR_NAMESPACE,
             )
@@ -452,6 +463,7 @@ def test_the_queue_label_follows_kueues_rules(fit) -> None:
             or bool(w["metadata"].get("deletionTimestamp"))
         ),
         timeout=LOADED,
+        explain=lambda: log_lines(OPERATOR_LOG["path"], "leaver", "lease", "leader", "Error"),
     )
     cluster.wait_gang(SOLO_NS, "leaver", 1, timeout=LOADED)
     assert cluster.condition(SOLO_NS, "leaver", "Queued") == {}

@@ -96,6 +96,7 @@ def _placed_after(cluster: Cluster, namespace: str, name: str, since: float) -> 
     return time.monotonic() - since
 
 
+@pytest.mark.alone  # wall times of planning: beside another worker's training the CPU is not its own
 def test_hostile_jobs_neither_stall_the_operator_nor_delay_a_normal_job(
     cluster, namespace, pool, planner
 ):

@@ -3,13 +3,16 @@
 A running gang of three pods loses pod 2: only it is replaced, on a node of the leaf its plan
 requires, bound there by kube-scheduler, while pods 0 and 1 keep their UIDs and the gang attempt
 stays; with ``runPolicy.recovery.spareNodes`` the replacement takes the spare and a new spare is
-reserved; pod 0 (the rendezvous store's host) lost rebuilds the gang; a deleted pod whose own node
+reserved; pod 0 (the rendezvous store's host) lost rebuilds the gang, unless the store runs in a
+pod of its own (``rendezvousStore: dedicated``): then pod 0 is replaced alone, and a rebuilt gang
+gets a new store pod while the old one goes after its gang; a deleted pod whose own node
 is the only room goes back there; a replacement waits until the pod it replaces has stopped; the pods tolerate a lost node for a third of the rejoin window.
 """
 
 from __future__ import annotations
 
 import pathlib
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,6 +20,7 @@ from collections.abc import Iterator
 import kubernetes
 import pytest
 
+from meshtrain.api import exitcodes
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import (
     GROUP,
@@ -185,6 +189,67 @@ def test_a_deleted_pod_whose_own_node_is_the_only_room_is_replaced_there(plane, 
     assert "own-r0-1-p1" in event.message and node in event.message
 
 
+BAD_GPU_WHY = "rank 3's GPU (local rank 0) failed twice within 3600 s: taking it for bad"
+
+
+def _left_bad_gpu(cluster, namespace: str, pod: str) -> str:
+    """The pod's supervisor exits 79, as ``meshtrain.trainer.supervise`` does when one of its
+    GPUs failed twice (``tests/trainer/test_supervise.py``); the pod's node."""
+    node = cluster.core.read_namespaced_pod(pod, namespace).spec.node_name
+    report = exitcodes.failure_report(exitcodes.DEVICE_SUSPECT, BAD_GPU_WHY)
+    cluster.set_pod_phase(
+        namespace, pod, "Failed", exit_code=exitcodes.DEVICE_SUSPECT, message=report
+    )
+    return node
+
+
+def test_a_pod_that_left_a_bad_gpu_is_replaced_alone_on_another_node_which_is_excluded(
+    plane, space
+):
+    """Its own node has room again (its pod failed), yet the replacement goes to the other one,
+    and ``status.excludedNodes`` keeps the node out of the job's later placements."""
+    cluster, (namespace, pool) = plane, space
+    _fabric(cluster, pool, in_leaf=4, elsewhere=0)
+    before = _start(
+        cluster, JobBuilder("ecc", namespace, pool).layout(data=6).gpus(2), namespace, "ecc"
+    )
+    bad = _left_bad_gpu(cluster, namespace, "ecc-r0-1")
+    replaced = _bound(cluster, namespace, "ecc-r0-1-p1")
+    assert replaced.spec.node_name != bad
+    status = cluster.status(namespace, "ecc")
+    assert status.get("restarts", 0) == 0 and status["recovery"]["byTier"]["pod"] == 1, status
+    [entry] = status["excludedNodes"]
+    assert (entry["node"], entry["reason"]) == (bad, "BadGPU") and BAD_GPU_WHY in entry["message"]
+    (event,) = cluster.events(namespace, "ecc", "PodReplaced")
+    assert "a GPU failed twice" in event.message, event.message
+    kept = {n: u for n, u in before.items() if n != "ecc-r0-1"}
+    now = {p.metadata.name: p.metadata.uid for p in cluster.pods(namespace, "ecc")}
+    assert now.items() >= kept.items(), now  # the other pods are the very same
+
+
+@pytest.mark.parametrize("index", [0, 2])
+def test_a_bad_gpus_node_stays_out_of_the_rebuild(plane, space, index):
+    """The gang fills every node.  Pod 2: no other node takes it, so the gang is rebuilt instead;
+    pod 0: its supervisor hosted the store and halted the gang, which is rebuilt.  Either way a
+    disruption (no ``backoffLimit`` spent), and the new gang waits for room rather than go back
+    to the node; a node added later takes it."""
+    cluster, (namespace, pool) = plane, space
+    _fabric(cluster, pool, in_leaf=3, elsewhere=0)
+    job = JobBuilder("full-ecc", namespace, pool).layout(data=6).gpus(2)
+    _start(cluster, job.run_policy(backoffLimit=0), namespace, "full-ecc")
+    bad = _left_bad_gpu(cluster, namespace, f"full-ecc-r0-{index}")
+    cluster.wait_reason(namespace, "full-ecc", "Placed", "InsufficientGPUs", timeout=60)
+    status = cluster.status(namespace, "full-ecc")
+    assert status["restarts"] == 1 and status["disruptionRestarts"] == 1, status
+    assert [(e["node"], e["reason"]) for e in status["excludedNodes"]] == [(bad, "BadGPU")]
+    if index != 0:  # the pod tier tried first
+        assert cluster.events(namespace, "full-ecc", "PodNotReplaced")
+    cluster.add_node(pool, gpus=2, labels={LEAF: "a"})
+    pods = cluster.wait_gang(namespace, "full-ecc", 3, attempt=1)
+    nodes = {_bound(cluster, namespace, p.metadata.name).spec.node_name for p in pods}
+    assert bad not in nodes and len(nodes) == 3, nodes
+
+
 def test_two_deleted_pods_of_a_full_gang_each_go_back_to_their_own_node(plane, space):
     """Pods 0 and 1 fill leaf a, pod 2 leaf b.  Pod 1 is deleted and still stopping (a
     finalizer) when pod 2 is deleted: leaf a, beside pod 0, would be cheaper for pod 2, but the
@@ -232,6 +297,147 @@ def test_pod_zero_lost_rebuilds_the_gang(plane, space):
     pods = cluster.wait_gang(namespace, "zero", 3, attempt=1)
     assert [p.metadata.name for p in pods] == ["zero-r1-0", "zero-r1-1", "zero-r1-2"]
     assert cluster.status(namespace, "zero")["restarts"] == 1
+
+
+def _env(pod) -> dict[str, str]:
+    return {e.name: e.value for e in pod.spec.containers[0].env or [] if e.value is not None}
+
+
+def _with_store_pod(cluster, namespace: str, pool: str, name: str) -> JobBuilder:
+    """A gang of three pods over four nodes of one leaf, its store in a pod of its own."""
+    _fabric(cluster, pool, in_leaf=4, elsewhere=0)
+    job = JobBuilder(name, namespace, pool).layout(data=6).gpus(2)
+    return job.run_policy(recovery={"rendezvousStore": "dedicated"})
+
+
+def test_with_a_store_pod_a_deleted_pod_0_alone_is_replaced(plane, space):
+    cluster, (namespace, pool) = plane, space
+    job = _with_store_pod(cluster, namespace, pool, "apart")
+    before = _start(cluster, job, namespace, "apart")
+    store = _bound(cluster, namespace, "apart-r0-store")
+    [container] = store.spec.containers
+    assert container.command == ["python", "-m", "meshtrain.trainer.recovery.store_host"]
+    assert "--nnodes=3" in container.args and "--nproc-per-node=2" in container.args
+    assert not any("gpu" in r for r in (container.resources.requests or {}))
+    assert store.spec.restart_policy == "Never" and store.spec.hostname == "apart-r0-store"
+    address = f"apart-r0-store.apart.{namespace}.svc"
+    gang = [_pod(cluster, namespace, name) for name in sorted(before)]
+    assert {_env(p)["MASTER_ADDR"] for p in gang} == {address}
+    # pod 0 restarts in place too (kubelet rules) now that it hosts nothing
+    assert all(p.spec.containers[0].restart_policy_rules for p in gang)
+
+    cluster.core.delete_namespaced_pod("apart-r0-0", namespace)
+    replaced = _bound(cluster, namespace, "apart-r0-0-p1")
+    assert _env(replaced)["MASTER_ADDR"] == address and _env(replaced)["PET_NODE_RANK"] == "0"
+    pods = {
+        "apart-r0-0-p1": replaced.metadata.uid,
+        "apart-r0-1": before["apart-r0-1"],
+        "apart-r0-2": before["apart-r0-2"],
+        "apart-r0-store": store.metadata.uid,
+    }
+    wait_for(
+        "pod 0 alone replaced, the store pod the same",
+        lambda: {p.metadata.name: p.metadata.uid for p in cluster.pods(namespace, "apart")} == pods,
+    )
+    wait_for(
+        "the replacement's placement entry no longer pending",
+        lambda: not cluster.status(namespace, "apart")["placement"][0].get("pending"),
+    )
+    status = cluster.status(namespace, "apart")
+    assert status.get("restarts", 0) == 0 and status["phase"] == "Running", status
+    assert status["recovery"]["byTier"]["pod"] == 1, status["recovery"]
+    assert status["recovery"]["last"]["ranks"] == [0, 1], status["recovery"]
+
+
+def test_a_rebuilt_gang_gets_a_new_store_pod_and_the_old_one_goes_after_its_gang(plane, space):
+    cluster, (namespace, pool) = plane, space
+    job = _with_store_pod(cluster, namespace, pool, "again")
+    _start(cluster, job, namespace, "again")
+    _bound(cluster, namespace, "again-r0-store")
+    # The supervisors lost the store (or gave up in place): every pod exits 75.
+    for index in range(3):
+        cluster.set_pod_phase(namespace, f"again-r0-{index}", "Failed", exit_code=75)
+    cluster.wait_gang(namespace, "again", 3, attempt=1)
+    _bound(cluster, namespace, "again-r1-store")
+    wait_for(
+        "the old store pod gone once its gang is",
+        lambda: _pod(cluster, namespace, "again-r0-store") is None,
+    )
+    assert cluster.status(namespace, "again")["restarts"] == 1
+
+
+def test_a_deleted_store_pod_rebuilds_the_gang_at_once(plane, space):
+    """Every rank loses the store with its pod: the operator rebuilds the gang as soon as it sees
+    the pod go, before the ranks' own exit 75 (none comes here: the test plays the kubelet)."""
+    cluster, (namespace, pool) = plane, space
+    job = _with_store_pod(cluster, namespace, pool, "lose")
+    _start(cluster, job, namespace, "lose")
+    _bound(cluster, namespace, "lose-r0-store")
+    cluster.core.delete_namespaced_pod("lose-r0-store", namespace)
+    cluster.wait_gang(namespace, "lose", 3, attempt=1, timeout=60)
+    _bound(cluster, namespace, "lose-r1-store")
+    status = cluster.status(namespace, "lose")
+    assert status["restarts"] == 1 and not status.get("disruptionRestarts"), status
+    [event] = [e for e in cluster.events(namespace, "lose", "GangRestarting")]
+    # as the pass saw it: being deleted, or already gone (the kubelet confirmed it at once)
+    assert (
+        "lose-r0-store is being deleted" in event.message
+        or "lose-r0-store is gone" in event.message
+    )
+
+
+def test_a_store_pod_removed_with_its_node_rebuilds_the_gang_as_a_disruption(
+    plane_and_operator, space
+):
+    """Its node deleted, then the pod removed as PodGC removes a deleted node's pods (marked
+    ``DisruptionTarget``/``DeletionByPodGC``, deleted at once), while the operator is stopped,
+    so that its next pass finds the pod already gone: the loss is the node's, outside
+    ``backoffLimit``, judged by the last version the operator's informer saw."""
+    (cluster, operator), (namespace, pool) = plane_and_operator, space
+    job = _with_store_pod(cluster, namespace, pool, "node")
+    _start(cluster, job, namespace, "node")
+    node = _bound(cluster, namespace, "node-r0-store").spec.node_name
+    assert operator.process is not None
+    operator.process.send_signal(signal.SIGSTOP)
+    try:
+        cluster.core.delete_node(node)
+        mark = {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByPodGC"}
+        cluster.core.patch_namespaced_pod_status(
+            "node-r0-store", namespace, {"status": {"conditions": [mark]}}
+        )
+        cluster.core.delete_namespaced_pod("node-r0-store", namespace, grace_period_seconds=0)
+        wait_for("the store pod gone", lambda: _pod(cluster, namespace, "node-r0-store") is None)
+    finally:
+        operator.process.send_signal(signal.SIGCONT)
+    cluster.wait_gang(namespace, "node", 3, attempt=1, timeout=60)
+    status = cluster.status(namespace, "node")
+    assert status["restarts"] == 1 and status.get("disruptionRestarts") == 1, status
+    [event] = [e for e in cluster.events(namespace, "node", "GangRestarting")]
+    assert "node-r0-store is gone" in event.message, event.message
+
+
+def test_a_suspended_and_resumed_gang_gets_a_store_pod_of_its_own(plane, space):
+    """The same attempt placed again (suspended, then resumed) never meets the earlier gang's
+    store: that one goes once its gang has gone, and the new placement makes a new one."""
+    cluster, (namespace, pool) = plane, space
+    job = _with_store_pod(cluster, namespace, pool, "pause")
+    _start(cluster, job, namespace, "pause")
+    first = _bound(cluster, namespace, "pause-r0-store").metadata.uid
+    cluster.patch_job(namespace, "pause", {"runPolicy": {"suspend": True}})
+    wait_for("every pod gone", lambda: not cluster.pods(namespace, "pause"), 60)
+    cluster.patch_job(namespace, "pause", {"runPolicy": {"suspend": False}})
+    cluster.wait_gang(namespace, "pause", 3, timeout=60)
+    second = _bound(cluster, namespace, "pause-r0-store")
+    assert second.metadata.uid != first
+    status = cluster.status(namespace, "pause")
+    assert status.get("restarts", 0) == 0
+    assert second.metadata.annotations["meshtrain.io/placed-at"] == status["startTime"]
+    refused = [
+        e
+        for e in cluster.core.list_namespaced_event(namespace).items
+        if e.reason == "CreateRejected" and e.involved_object.name == "pause"
+    ]
+    assert not refused, [e.message for e in refused]  # it waited for the old store to go
 
 
 def test_a_lost_pod_takes_the_spare_node_and_a_new_spare_is_reserved(plane, space):

@@ -263,6 +263,9 @@ def test_a_restarted_gang_does_not_inherit_the_old_gangs_straggler(
             "the straggler in status",
             lambda: cluster.status(namespace, "stale").get("straggler"),
         )
+        # the condition follows status.straggler a pass later: the gang fails only once it is True
+        # (failed sooner, the condition is never set, and there is nothing to clear)
+        cluster.wait_reason(namespace, "stale", "Straggler", "StragglerDetected")
         # Rank 0 of the next gang has judged nothing yet: its /progress says nothing about stragglers.
         progress.document = {"step": 60, "loss": 3.0, "updated_at": "2026-01-01T00:02:00Z"}
         pod = next(p for p in cluster.pods(namespace, "stale") if p.metadata.name.endswith("-1"))

@@ -20,6 +20,7 @@ import json
 import os
 import pathlib
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -166,5 +167,14 @@ def main() -> int:
     return 0 if loss.item() < 1.0 else 1
 
 
+def _exit_now(code: int) -> None:
+    """Leave with ``code`` without the interpreter's teardown: after ``destroy_process_group`` a
+    gloo rank can still abort while Python finalises ("terminate called without an active
+    exception", SIGABRT), turning a finished run into exit 134; everything is saved by now."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    _exit_now(main())

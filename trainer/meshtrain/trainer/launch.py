@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -44,11 +45,38 @@ READY_DIR = "ready"
 """Under the log directory: the ranks' ready files (:mod:`.telemetry.readiness`)."""
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PICKED_PORTS = (12000, 30000)
+"""Where :func:`free_port` picks, below the kernel's ephemeral range: above Kubernetes' own fixed
+ports (the kubelet's 10250, the control plane's 10257 and 10259), below its NodePort range."""
+PORT_TRIES = 64
+
+
 def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (the kernel's pick for port 0)."""
+    """A loopback TCP port that was free a moment ago, below the kernel's ephemeral range where
+    it can: a port the kernel picks for port 0 lies in that range, where any process's next
+    outgoing connection may take it before the caller binds it (a test's store lost its port so
+    beside a busy control plane); below it only another explicit bind can."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        fallback = int(sock.getsockname()[1])
+    try:
+        ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return fallback
+    low, high = PICKED_PORTS[0], min(PICKED_PORTS[1], ephemeral_low)
+    if high <= low:
+        return fallback
+    pick = random.SystemRandom()
+    for _ in range(PORT_TRIES):
+        port = pick.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return fallback
 
 
 def default_log_dir(name: str) -> Path:

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import fsspec.asyn
-import s3fs
 
 from meshtrain.api.spec import object_storage, urls
 
@@ -90,6 +89,8 @@ def options() -> dict[str, Any]:
 @functools.cache
 def filesystem() -> Any:
     """This process's s3fs client, from the environment (built once)."""
+    import s3fs  # noqa: PLC0415 - aiobotocore's import costs every rank ~1 s of CPU; most read no bucket
+
     return s3fs.S3FileSystem(**options(), skip_instance_cache=True)
 
 

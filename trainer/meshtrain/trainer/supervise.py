@@ -1,7 +1,9 @@
 """``python -m meshtrain.trainer.supervise``: the per-pod supervisor of the built-in trainer.
 
 It replaces torchrun in the trainer container (same ``PET_*`` / ``MASTER_*`` environment).  Pod
-0's supervisor hosts the job's TCPStore on ``MASTER_PORT``; each supervisor starts one worker per
+0's supervisor hosts the job's TCPStore on ``MASTER_PORT``, or, with ``runPolicy.recovery.
+rendezvousStore: dedicated``, the store pod does (:mod:`.recovery.store_host`, ``MASTER_ADDR`` names
+it) and pod 0 is a pod like the others; each supervisor starts one worker per
 local rank (torchrun's environment) and ``runPolicy.recovery.warmSpares`` warm spares
 (:mod:`.recovery.spares`), heartbeats, and watches its children.  A worker that fails with a
 retryable code is replaced by a spare and the gang rebuilds its process groups in place
@@ -11,13 +13,17 @@ after rank 0 finished); a permanent worker code and ``STOPPED`` pass through, an
 always ends in ``STOPPED`` or a permanent code (a pod stopped from outside); ``GANG_RESTART``
 (75) when in-place recovery is off, exhausted or impossible (rejoin timeout, store gone);
 ``SUPERSEDED`` (76) when a newer incarnation of this pod took over (a pod declared lost whose
-containers still ran: it is fenced off and leaves without touching the gang).
+containers still ran: it is fenced off and leaves without touching the gang); ``DEVICE_SUSPECT``
+(79) when one of its GPUs failed twice within an hour (:mod:`.recovery.device_fault`: the pod
+leaves to be replaced on another node).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
+import functools
 import os
 import signal
 import subprocess
@@ -32,25 +38,33 @@ from meshtrain.api import exitcodes, loading
 from meshtrain.api.spec import run_policy
 from meshtrain.planner import host_model
 from meshtrain.trainer import launch
-from meshtrain.trainer.recovery import generations, rendezvous, spares
+from meshtrain.trainer.recovery import (
+    device_fault,
+    generations,
+    liveness,
+    rendezvous,
+    spares,
+    stall,
+    store_host,
+)
 from meshtrain.trainer.telemetry import progress
 
 POLL_S = 0.1
-HEARTBEAT_S = 1.0
-"""How often a supervisor bumps its heartbeat key."""
-HEARTBEAT_TIMEOUT_S = 30.0
-"""Pod 0 declares a pod lost when its heartbeat has not changed for this long (a fixed
-constant, docs/recovery.md: long enough for a paused or busy node, short against the rejoin
-timeout)."""
 NCCL_ASYNC_ERROR_HANDLING = "0"
 """Forced on the workers: torch's ``_abort_process_group`` is documented for 0 (the watchdog
 must leave the communicators to the watcher's abort, :mod:`.recovery.abort`)."""
-LINGER_S = 15.0
-"""How long pod 0 keeps the store up at the end for the other supervisors to read it."""
+LINGER_S = store_host.LINGER_S
+"""How long pod 0 keeps the store it hosts up at the end for the other supervisors to read it."""
 MAX_REAPED = 64
 """Orphans collected per poll."""
+LEAVE_GRACE_S = 2.0
+"""SIGTERM to SIGKILL for the ranks of a pod leaving a bad GPU: blocked in collectives behind the
+failed rank, they cannot save anything (the gang resumes from the peers' copies or storage)."""
 STORE_CONNECT_S = 60.0
 """How long a supervisor tries to reach pod 0's store at its start."""
+STORE_POD_CONNECT_S = generations.FIRST_JOIN_TIMEOUT_S
+"""... and the store pod's (``dedicated``): a pod scheduled on its own, which may start after
+the trainer pods; as long as the first round waits for them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +79,12 @@ class Settings:
     """Spare processes kept per pod."""
     rejoin_timeout_s: float
     """How long a round waits for every rank."""
+    stall_timeout_s: float = 0.0
+    """How long the store's host lets rank 0 make no progress before it takes the gang for hung
+    (:mod:`.recovery.stall`; 0: never)."""
+    store_pod: bool = False
+    """The store runs in a pod of its own (``rendezvousStore: dedicated``): no supervisor hosts it
+    or watches the others' heartbeats, and pod 0 is replaced like any other pod."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,7 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warm-spares", type=int, default=None, help="override the spec's")
     parser.add_argument("--in-place-limit", type=int, default=None, help="override the spec's")
     parser.add_argument("--rejoin-timeout", type=float, default=None, help="override the spec's")
+    parser.add_argument(
+        "--stall-timeout", type=float, default=None, help="override the spec's (0: never)"
+    )
     parser.add_argument("--no-in-place", action="store_true", help="any failure: exit 75")
+    parser.add_argument(
+        "--store",
+        choices=("pod0", "dedicated"),
+        default=None,
+        help="override the spec's rendezvousStore: pod 0 hosts the store, or a store pod does",
+    )
     parser.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- trainer arguments")
     return parser
 
@@ -109,6 +138,7 @@ def spec_recovery(trainer_args: list[str]) -> run_policy.Recovery:
 
 def settings(args: argparse.Namespace) -> Settings:
     spec = spec_recovery(args.trainer_args)
+    mode = _store_mode(args.store)
     return Settings(
         in_place=spec.in_place and not args.no_in_place,
         in_place_limit=int(_pick(args.in_place_limit, spec.in_place_limit)),
@@ -116,7 +146,20 @@ def settings(args: argparse.Namespace) -> Settings:
             0, min(int(_pick(args.warm_spares, spec.warm_spares)), args.nproc_per_node)
         ),
         rejoin_timeout_s=float(_pick(args.rejoin_timeout, spec.rejoin_timeout_seconds)),
+        stall_timeout_s=float(_pick(args.stall_timeout, spec.stall_timeout_seconds)),
+        store_pod=mode == "dedicated" if mode else spec.dedicated_store,
     )
+
+
+STORE_ENV = "MESHTRAIN_RECOVERY_RENDEZVOUS_STORE"
+"""Set by the operator with ``MASTER_ADDR`` (``pod0`` or ``dedicated``): the pod follows the store
+its gang was made with, even after an edit of the spec's ``rendezvousStore``."""
+
+
+def _store_mode(flag: str | None) -> str | None:
+    """``--store``, else the operator's :data:`STORE_ENV`, else None (the spec decides)."""
+    mode = flag or os.environ.get(STORE_ENV)
+    return mode if mode in ("pod0", "dedicated") else None
 
 
 def _pick(flag: Any, value: Any) -> Any:
@@ -168,6 +211,7 @@ class Supervisor:
         self.incarnation = rendezvous.Incarnation(self.pod, 0, self.identity)
         self.beats = Heartbeats(self)
         self.rank0_finished = False
+        self.devices = device_fault.DeviceFailures()
 
     # -- children ------------------------------------------------------------------------
 
@@ -241,15 +285,17 @@ class Supervisor:
         _say(self.pod, f"spares {[s.pid for s in self.pool.spares]}")
         self.beats.start()
         errors = generations.StoreErrors()
+        changes = rendezvous.ChangeGate(self.store)
         while True:
             if self.stopping:
                 return self.stop()
             try:
-                code = self.read_store()
+                code = self.read_store() if changes.moved() else None
                 errors.ok()
             except (RuntimeError, OSError):
                 if errors.failed():  # several failed reads over seconds: the store is gone
                     raise
+                changes.forget()
                 time.sleep(POLL_S)
                 continue
             if code is None:
@@ -296,6 +342,8 @@ class Supervisor:
             _say(self.pod, f"rank {rank} pid {child.pid} failed ({cause(code)})")
             if not self.config.in_place:
                 return self.give_up(f"rank {rank} failed ({cause(code)}); in-place recovery is off")
+            if code == exitcodes.DEVICE_ERROR and self.devices.failed(local_rank, time.monotonic()):
+                return self.leave_bad_device(rank, local_rank)
             failure = rendezvous.Failure("process", cause(code), (rank,), time.time())
             rendezvous.ranks_failed(self.store, (rank,), failure, self.config.in_place_limit)
             if rendezvous.halted(self.store) is None:
@@ -319,6 +367,28 @@ class Supervisor:
             if found is None or found.si_pid in ours:
                 return
             os.waitpid(found.si_pid, 0)
+
+    def leave_bad_device(self, rank: int, local_rank: int) -> int:
+        """Stop this pod's ranks and leave with :data:`exitcodes.DEVICE_SUSPECT`, for the operator
+        to place the pod elsewhere.  The ranks are stopped first (none joins a round the pod
+        leaves), then the gang told: its ranks are failed, and the round waits for the pod's
+        replacement; a pod hosting the store halts the gang instead and does not linger (the
+        store leaves with it: the operator rebuilds the gang without the node)."""
+        window = device_fault.SUSPECT_WINDOW_S
+        why = (
+            f"rank {rank}'s GPU (local rank {local_rank}) failed twice within {window:.0f} s: "
+            "taking it for bad; this pod leaves to be placed on another node"
+        )
+        _say(self.pod, f"{why}: exit {exitcodes.DEVICE_SUSPECT}")
+        self.stop_workers(min(LEAVE_GRACE_S, self.args.shutdown_timeout))
+        if self.beats.watch is not None:  # this pod hosts the store
+            rendezvous.halt(self.store, exitcodes.GANG_RESTART)
+        else:
+            ranks = tuple(range(self.pod * self.local, (self.pod + 1) * self.local))
+            failure = rendezvous.Failure("pod", "GPU failed twice", ranks, time.time())
+            rendezvous.ranks_failed(self.store, ranks, failure, self.config.in_place_limit)
+        progress.write_failure(exitcodes.DEVICE_SUSPECT, why)
+        return exitcodes.DEVICE_SUSPECT
 
     def give_up(self, why: str) -> int:
         """Halt the gang for a rebuild (75), leaving the reason in the termination log."""
@@ -356,22 +426,28 @@ class Supervisor:
         return exitcodes.STOPPED
 
     def linger(self, code: int) -> None:
-        """Pod 0: keep the store up until every supervisor left, or no other pod's heartbeat
-        moves any more, within the shutdown timeout (at least :data:`LINGER_S`).
+        """Say this pod left; pod 0 hosting the store keeps it up until every supervisor left, or
+        no other pod's heartbeat moves any more, within the shutdown timeout (at least
+        :data:`LINGER_S`).
 
-        Another pod says it left only when it finished (0) or the gang was halted: one stopped
-        alone (143) or fenced off (76) leaves its slot to a replacement that pod 0 must watch,
-        and must not count as done at the run's end.
+        A pod says it left only when it finished (0) or the gang was halted: one stopped alone
+        (143) or fenced off (76) leaves its slot to a replacement that the store's host must
+        watch, and must not count as done at the run's end.
         """
-        if self.pod != 0 and code != 0 and rendezvous.halted(self.store) is None:
+        watch = self.beats.watch  # None: this pod hosts no store
+        if code == exitcodes.DEVICE_SUSPECT:
+            # leaving a bad GPU, pod 0 has halted the gang: the others read the halt or lose the
+            # store, 75 either way, after its own exit, which names the cause to the operator
             return
-        self.store.set(f"rdzv/pod{self.pod}/left", "1")
+        if watch is None and code != 0 and rendezvous.halted(self.store) is None:
+            return
+        self.store.set(rendezvous.left_key(self.pod), "1")
         left = self.store.add(rendezvous.DONE, 1)
-        if self.pod != 0:
+        if watch is None:
             return
         deadline = time.monotonic() + max(LINGER_S, self.args.shutdown_timeout)
         while left < self.args.nnodes and time.monotonic() < deadline:
-            if not self.beats.others_alive(3 * HEARTBEAT_S):
+            if not watch.alive(store_host.QUIET_S):
                 return
             time.sleep(POLL_S)
             left = self.store.add(rendezvous.DONE, 0)
@@ -395,59 +471,59 @@ class Supervisor:
 
 class Heartbeats(threading.Thread):
     """Bumps this pod's heartbeat on its own store connection (the main loop may block in
-    ``stop_workers``); pod 0's also declares pods whose heartbeat stopped lost."""
+    ``stop_workers``); pod 0's, when it hosts the store, also declares pods whose heartbeat
+    stopped lost (:class:`.liveness.PodWatch`) and a gang that stopped making progress hung
+    (:class:`.stall.StallWatch`)."""
 
     def __init__(self, supervisor: Supervisor) -> None:
         super().__init__(name="heartbeats", daemon=True)
         self.supervisor = supervisor
         self.store = supervisor.store.clone()
         self.heartbeat = 0
-        self.seen: dict[int, tuple[bytes, float]] = {}
-        self.lost: set[int] = set()
-        self._stop = threading.Event()
+        hosts = supervisor.pod == 0 and not supervisor.config.store_pod
+        self.watch = (
+            liveness.PodWatch(
+                self.store,
+                range(1, supervisor.args.nnodes),
+                supervisor.local,
+                supervisor.config.in_place_limit,
+                functools.partial(_say, supervisor.pod),
+            )
+            if hosts
+            else None
+        )
+        config = supervisor.config
+        self.stalls = (
+            stall.StallWatch(
+                self.store,
+                supervisor.args.nnodes * supervisor.local,
+                config.stall_timeout_s,
+                config.in_place_limit if config.in_place else 0,
+                functools.partial(_say, supervisor.pod),
+            )
+            if hosts
+            else None
+        )
+        self._stopping = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
+        while not self._stopping.wait(liveness.HEARTBEAT_S):
             try:
                 self.beat()
             except Exception:  # noqa: BLE001 - the main loop decides whether the store is gone
                 continue
 
     def stop(self) -> None:
-        self._stop.set()
-
-    def others_alive(self, within_s: float) -> bool:
-        """Whether another pod's heartbeat changed within ``within_s`` (pod 0's view)."""
-        now = time.monotonic()
-        return any(now - at < within_s for _, at in self.seen.values())
+        self._stopping.set()
 
     def beat(self) -> None:
-        """Bump this pod's heartbeat; pod 0 also looks for pods whose heartbeat stopped."""
-        sup = self.supervisor
+        """Bump this pod's heartbeat; the host's also looks for pods whose heartbeat stopped."""
         self.heartbeat += 1
-        self.store.set(f"rdzv/pod{sup.pod}/hb", str(self.heartbeat))
-        if sup.pod != 0:
-            return
-        now = time.monotonic()
-        for pod in range(1, sup.args.nnodes):
-            key = f"rdzv/pod{pod}/hb"
-            if not self.store.check([key]) or self.store.check([f"rdzv/pod{pod}/left"]):
-                self.seen.pop(pod, None)
-                continue  # not started yet (the round's rejoin timeout covers it), or done
-            value = self.store.get(key)[:32]
-            if pod not in self.seen or self.seen[pod][0] != value:
-                self.seen[pod] = (value, now)
-                self.lost.discard(pod)
-            elif now - self.seen[pod][1] > HEARTBEAT_TIMEOUT_S and pod not in self.lost:
-                self.lost.add(pod)
-                self.pod_lost(pod, now - self.seen[pod][1])
-
-    def pod_lost(self, pod: int, silent_s: float) -> None:
-        sup = self.supervisor
-        ranks = tuple(range(pod * sup.local, (pod + 1) * sup.local))
-        _say(sup.pod, f"pod {pod} lost (no heartbeat for {silent_s:.0f}s): a round waits for it")
-        failure = rendezvous.Failure("pod", "pod lost", ranks, time.time() - silent_s)
-        rendezvous.ranks_failed(self.store, ranks, failure, sup.config.in_place_limit)
+        self.store.set(liveness.heartbeat_key(self.supervisor.pod), str(self.heartbeat))
+        if self.watch is not None:
+            self.watch.look()
+        if self.stalls is not None:
+            self.stalls.look()
 
 
 def loopback_command(pods: int, local: int, pod: int, port: int, *flags: str) -> list[str]:
@@ -487,9 +563,12 @@ def main(argv: list[str] | None = None) -> int:
         store = rendezvous.connect(
             args.master_addr,
             args.master_port,
-            master=args.node_rank == 0,
-            timeout_s=STORE_CONNECT_S,
+            master=args.node_rank == 0 and not config.store_pod,
+            timeout_s=STORE_POD_CONNECT_S if config.store_pod else STORE_CONNECT_S,
         )
+        # the long wait is for the connection only: a store call that hangs (its node gone
+        # silent) must fail as soon as it would with pod 0's store
+        store.set_timeout(datetime.timedelta(seconds=STORE_CONNECT_S))
     except (RuntimeError, OSError) as err:
         why = f"cannot reach the rendezvous store {args.master_addr}:{args.master_port}: {err}"
         _say(args.node_rank, why)
@@ -504,7 +583,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         code = supervisor.run()
-    except (RuntimeError, OSError) as err:  # the store is gone: pod 0 was lost
+    except (
+        RuntimeError,
+        OSError,
+    ) as err:  # the store is gone: its host (pod 0, the store pod) was lost
         done = supervisor.finished_anyway()
         if done is not None:
             _say(args.node_rank, f"the store left after rank 0 finished ({err}): exit 0")

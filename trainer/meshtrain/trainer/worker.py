@@ -31,7 +31,7 @@ from meshtrain.trainer.guards import faults, loss_guard, stopping, stragglers
 from meshtrain.trainer.interop import config_json, from_hf
 from meshtrain.trainer.parallel import float8, state_bytes
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.recovery import generations
+from meshtrain.trainer.recovery import generations, stall
 from meshtrain.trainer.telemetry import goodput, progress, readiness
 from meshtrain.trainer.telemetry.recorder import TelemetryRecorder, make_recorder
 from meshtrain.trainer.telemetry.tracking import log as tracked
@@ -177,6 +177,8 @@ def _session(
         trainer = engine.Engine(job, mesh, recorder=recorder)
     except dataset.DatasetError as err:
         return _refuse(exitcodes.DATA, err)
+    if session is not None:
+        session.progressed("built")
     grad_reducer = trainer.model.reducer
     recorder.watch(
         state_bytes.meter(trainer.model, trainer.optimizer, grad_reducer),
@@ -329,6 +331,10 @@ def _train(
             # rank 0's CPU seconds (all its threads) since the previous record: calibration's loop cost
             record["cpu_seconds"], cpu_mark = time.process_time() - cpu_mark, time.process_time()
             log.write(record)
+        if session is not None and session.watcher.fired.is_set():
+            # NCCL's abort raises nothing on the host: a step whose collectives it may have cut
+            # short is never saved (the next round replays it)
+            raise generations.Interrupted(f"the process groups were aborted during step {step}")
         saver.after_step(step)
         snapshots.after_step(step)
         for published in saver.published():  # COMPLETE and renamed: /progress may report it
@@ -338,6 +344,8 @@ def _train(
         if result.stop and step < job.training.steps:
             snapshots.wait()
             return _stop_after(step, saver, recorder, log, stop, session)
+    if session is not None:  # the final saves and barrier take as long as they take
+        session.progressed(stall.FINISHING)
     snapshots.wait()
     saver.wait()  # the last save, if it is still being written
     for published in saver.published():

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtrain.operator.cluster import kube
-from meshtrain.operator.policy import conditions, device_claims, gang_backend, naming
+from meshtrain.operator.policy import conditions, device_claims, gang_backend, naming, store_pod
 
 RETRY_BASE_SECONDS = 2.0
 """Wait after the first refused create."""
@@ -110,6 +110,35 @@ async def _replace(
     )
 
 
+async def _stale_store(client: kube.Client, existing: Mapping[str, Any]) -> Refused:
+    """The job's store pod of that name is an earlier gang's (the same attempt placed again after
+    a Kueue eviction or a suspension): its state is not the new gang's.  It is deleted (unless
+    it is going away already), and the placement follows once it is gone."""
+    metadata = existing["metadata"]
+    if not metadata.get("deletionTimestamp"):
+        await client.delete_pods(
+            namespace=metadata["namespace"],
+            names=[metadata["name"]],
+            uids={metadata["name"]: metadata["uid"]},
+        )
+    return Refused(
+        conditions.CREATE_REJECTED,
+        f"pod {metadata['namespace']}/{metadata['name']}, the rendezvous store of an earlier gang, "
+        "is going away; the gang follows once it is gone",
+    )
+
+
+def _store_gone(manifest: Mapping[str, Any]) -> Refused:
+    """An earlier gang's store pod of that name left between the create and the read: no trainer
+    pod may be made without its store, so the placement is tried again."""
+    metadata = manifest["metadata"]
+    return Refused(
+        conditions.CREATE_REJECTED,
+        f"pod {metadata['namespace']}/{metadata['name']}, the rendezvous store of an earlier "
+        "gang, was just going away; the gang follows",
+    )
+
+
 def _rejected(manifest: dict[str, Any], err: kube.ApiError) -> Refused:
     kind, metadata = manifest["kind"], manifest["metadata"]
     said = f"the API server refused to create {kind} {metadata['namespace']}/{metadata['name']}: "
@@ -135,11 +164,13 @@ async def _create(client: kube.Client, manifest: dict[str, Any], uid: str) -> Re
             api_version=manifest.get("apiVersion"),
         )
         if existing is None:  # gone between the two calls: the next pass creates it
-            return None
+            return _store_gone(manifest) if store_pod.is_store(manifest) else None
         if uid not in owner_uids(existing):
             return _conflict(kind, existing)
         if kind in REPLACED and _stamp(existing) != _stamp(manifest):
             return await _replace(client, manifest, existing)
+        if store_pod.is_store(existing) and store_pod.stale(existing, manifest):
+            return await _stale_store(client, existing)
         if (
             update
         ):  # that very object: a Conflict if it was re-created since (the next pass reads again)

@@ -32,6 +32,7 @@ from meshtrain.operator.policy import (
     kueue_workload,
     naming,
     reservation,
+    store_pod,
 )
 
 logger = logging.getLogger("meshtrain.operator")
@@ -42,6 +43,10 @@ RETRY_CAP_SECONDS = 30.0
 """Longest pause between two tries of a failing list or watch."""
 TOMBSTONE_SECONDS = 120.0
 """How long a deleted object's last version is remembered (a write answer may arrive after its DELETED event)."""
+DEPARTED_SECONDS = 600.0
+"""How long the last version of a gone store pod is kept for its job's next pass (``departed``)."""
+DEPARTED_LIMIT = 1024
+"""Most gone store pods kept at once (the oldest is dropped first)."""
 FINISHED = ("Succeeded", "Failed")
 
 _T = TypeVar("_T")
@@ -411,6 +416,8 @@ class Cache:
         self.capacity_changes = 0
         """Capacity changes this cache woke waiting jobs for (``waiting.Queue.seq`` reads it)."""
         """What :meth:`run` pokes (a released assumption frees capacity too)."""
+        self._departed: dict[Key, tuple[kube.Body, float]] = {}
+        """Gone store pods -> (their last version, when they went): see :meth:`departed`."""
         self.synced = asyncio.Event()
         """Set once every store holds a full list."""
         self._synced: set[str] = set()
@@ -455,9 +462,37 @@ class Cache:
         for pod in self._awaiting_for.get(_key(new or old or {}), ()):
             self._usage_of.pop(self._awaiting[pod].node, None)
 
+    def departed(self, key: Key) -> kube.Body | None:
+        """What was last seen of store pod ``key`` (namespace, name) if it went in the last
+        ``DEPARTED_SECONDS``: its labels, placement stamp, owner, node and ``DisruptionTarget``
+        condition (``store_pod.loss`` tells a removal with its node from a deletion by it)."""
+        found = self._departed.get(key)
+        if found is None or time.monotonic() - found[1] > DEPARTED_SECONDS:
+            return None
+        return found[0]
+
+    def _depart(self, pod: kube.Body) -> None:
+        """Keep a gone store pod's last version: only the current attempt's store pod of a live
+        TrainingJob that controls it (anyone may label or own a pod), and only what
+        ``store_pod.loss`` reads, so a tenant's churn of pods costs at most one small record per
+        live job."""
+        key, job = _key(pod), job_of(pod)
+        owner = self._live.get((key[0], job)) if job else None
+        if owner is None or capacity.controller_uid(pod) != owner.uid:
+            return
+        if job is None or key[1] != naming.store_pod_name(job, owner.attempt):
+            return
+        self._departed.pop(key, None)
+        self._departed[key] = (store_pod.last_seen(pod), time.monotonic())
+        while len(self._departed) > DEPARTED_LIMIT:  # insertion order: the oldest first
+            del self._departed[next(iter(self._departed))]
+
     def _count(self, old: kube.Body | None, new: kube.Body | None) -> None:
         if new is not None:
             self.assumed.seen(_key(new))
+            self._departed.pop(_key(new), None)  # back (a relist forgets, then stores it again)
+        elif old is not None and store_pod.is_store(old):
+            self._depart(old)
         for pod, sign in ((old, -1), (new, 1)):
             if pod is not None:
                 self._charge(pod, self._node_of(pod), sign)

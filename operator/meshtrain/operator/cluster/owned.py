@@ -19,6 +19,15 @@ def owned_pods(cache: informer.Cache, ref: identity.JobRef) -> list[dict[str, An
     return [p for p in cache.job_pods(ref.namespace, ref.name) if capacity.owned_by(p, ref.uid)]
 
 
+def departed_store(
+    cache: informer.Cache, ref: identity.JobRef, attempt: int
+) -> dict[str, Any] | None:
+    """What the cache last saw of gang ``attempt``'s store pod if it is gone and was the job's
+    (owned by its UID, not a namesake's deleted and made again)."""
+    last = cache.departed((ref.namespace, naming.store_pod_name(ref.name, attempt)))
+    return last if last is not None and capacity.owned_by(last, ref.uid) else None
+
+
 async def delete_pods(
     client: kube.Client,
     cache: informer.Cache,

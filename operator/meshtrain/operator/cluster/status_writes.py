@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from meshtrain.operator.cluster import clock, informer, kube, metrics
-from meshtrain.operator.policy import conditions, identity, job_actions, job_state
+from meshtrain.operator.policy import conditions, identity, job_actions, job_state, kueue_workload
 
 logger = logging.getLogger("meshtrain.operator")
 
@@ -22,12 +22,19 @@ Step = tuple[dict[str, Any], job_state.JobState, bool]
 """What an action leaves: the job as last written or read, its state, and whether anything changed."""
 
 
+DECIDING_LABELS = (kueue_workload.QUEUE_LABEL, kueue_workload.PRIORITY_CLASS_LABEL)
+"""The job's labels a pass decides on (Kueue's): a write is not retried over their change."""
+
+
 def _decided_on(read: dict[str, Any], fresh: dict[str, Any]) -> bool:
-    """True when ``fresh`` has the spec generation and status that ``read`` had."""
-    generation = (read.get("metadata") or {}).get("generation")
-    return (fresh.get("metadata") or {}).get("generation") == generation and fresh.get(
-        "status"
-    ) == read.get("status")
+    """True when ``fresh`` has the spec generation, Kueue labels and status that ``read`` had."""
+    before, after = read.get("metadata") or {}, fresh.get("metadata") or {}
+    labels_before, labels_after = before.get("labels") or {}, after.get("labels") or {}
+    return (
+        after.get("generation") == before.get("generation")
+        and all(labels_after.get(k) == labels_before.get(k) for k in DECIDING_LABELS)
+        and fresh.get("status") == read.get("status")
+    )
 
 
 def _same(status: dict[str, Any], changes: dict[str, Any]) -> bool:
@@ -47,9 +54,9 @@ class JobWriter:
     ) -> Step:
         """Merge ``changes`` into the status of the job as ``body`` was read.
 
-        On 409 the job is read again: if only its metadata changed (kopf's finalizer and
-        annotations) the write is retried on the new version, else ``kube.Conflict`` ends the
-        pass and the next pass decides from the fresh read.
+        On 409 the job is read again: if neither its spec, its Kueue labels nor its status changed
+        (kopf's finalizer and annotations, another tool's labels) the write is retried on the new
+        version, else ``kube.Conflict`` ends the pass and the next pass decides from the fresh read.
         """
         if _same(dict(job.status), changes):
             return body, job, False

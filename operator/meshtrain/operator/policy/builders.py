@@ -157,11 +157,15 @@ def _env(
         "PET_NPROC_PER_NODE": spec.resources.gpus_per_node,
         "PET_NODE_RANK": index,
         "WORLD_SIZE": spec.world_size,
-        "MASTER_ADDR": naming.master_addr(job.name, job.namespace, attempt),
+        "MASTER_ADDR": naming.master_addr(
+            job.name, job.namespace, attempt, store_pod=kubelet_tier.store_pod(spec)
+        ),
         "MASTER_PORT": naming.MASTER_PORT,
         # torchrun's own defaults for --master-addr/--master-port: a custom program's plain
         # `torchrun train.py` joins the gang with no flags.
-        "PET_MASTER_ADDR": naming.master_addr(job.name, job.namespace, attempt),
+        "PET_MASTER_ADDR": naming.master_addr(
+            job.name, job.namespace, attempt, store_pod=kubelet_tier.store_pod(spec)
+        ),
         "PET_MASTER_PORT": naming.MASTER_PORT,
         "MESHTRAIN_TP": p.tensor,
         "MESHTRAIN_PP": p.pipeline,
@@ -386,6 +390,21 @@ def _pinned_to(node: str) -> dict[str, Any]:
     }
 
 
+def _named_in_service(
+    job: identity.JobRef, spec: api_spec.TrainingJobSpec, name: str
+) -> dict[str, Any]:
+    """What every pod of a gang's rendezvous shares: never restarted whole, the gang's grace
+    period, its DNS name ``name`` in the job's headless Service, the restricted security context."""
+    return {
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": spec.run_policy.termination_grace_period_seconds,
+        "hostname": name,
+        "subdomain": naming.service_name(job.name),
+        "enableServiceLinks": False,
+        "securityContext": POD_SECURITY,
+    }
+
+
 def build_pod(
     job: identity.JobRef,
     spec: api_spec.TrainingJobSpec,
@@ -424,13 +443,8 @@ def build_pod(
         job, spec, attempt, index, image, mounts, restart_rules, restart_all
     )
     pod_spec: dict[str, Any] = {
-        "restartPolicy": "Never",
-        "terminationGracePeriodSeconds": spec.run_policy.termination_grace_period_seconds,
-        "hostname": name,
-        "subdomain": naming.service_name(job.name),
-        "enableServiceLinks": False,
+        **_named_in_service(job, spec, name),
         "automountServiceAccountToken": bool(spec.pod.service_account_name),
-        "securityContext": POD_SECURITY,
         "schedulingGates": [{"name": naming.GANG_GATE}],
         "affinity": _pinned_to(node),
         "containers": [container],
@@ -495,6 +509,108 @@ def build_spare_pod(
     trainer.pop("workingDir", None)
     pod_spec["containers"] = [trainer]
     return pod
+
+
+STORE_COMMAND = ("python", "-m", "meshtrain.trainer.recovery.store_host")
+STORE_CONTAINER = "store"
+STORE_RESOURCES = {"requests": {"cpu": "250m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
+"""The store pod's container: a Python with torch's store (about 525 MiB resident measured with
+the CPU wheel's import) and a few keys per rank; no CPU limit, so a busy node never throttles the
+store every rank waits on."""
+
+
+def build_store_pod(
+    job: identity.JobRef,
+    spec: api_spec.TrainingJobSpec,
+    attempt: int,
+    *,
+    placed: str = "",
+    avoid: Sequence[str] = (),
+    default_image: str = naming.DEFAULT_TRAINER_IMAGE,
+) -> dict[str, Any]:
+    """The rendezvous store's pod of gang ``attempt`` (``kubelet_tier.store_pod``): the trainer
+    image running ``meshtrain.trainer.recovery.store_host`` on ``MASTER_PORT``, no GPU, no volume,
+    never restarted (a restarted store would be empty: its loss is a gang rebuild).  Left to
+    kube-scheduler (the job's tolerations, not its GPU node selector), kept off the gang's planned
+    nodes ``avoid`` where it can be (a lost node then takes a trainer pod or the store, not both;
+    the gang's pods are not bound yet when it is scheduled), and with the gang's grace period: it
+    serves the stopping ranks until they left.  ``placed``: the placement's ``startTime``
+    (``naming.ANNOTATION_PLACED``)."""
+    name = naming.store_pod_name(job.name, attempt)
+    labels = {
+        naming.LABEL_ATTEMPT: str(attempt),
+        naming.LABEL_SPEC_HASH: identity.spec_hash(spec),
+        naming.LABEL_STORE: "true",
+    }
+    metadata = _metadata(job, name, labels)
+    container: dict[str, Any] = {
+        "name": STORE_CONTAINER,
+        "image": spec.image or default_image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": list(STORE_COMMAND),
+        "args": [
+            f"--port={naming.MASTER_PORT}",
+            f"--nnodes={spec.pods}",
+            f"--nproc-per-node={spec.resources.gpus_per_node}",
+            f"--in-place-limit={spec.run_policy.recovery.in_place_limit}",
+            f"--stall-timeout={spec.run_policy.recovery.stall_timeout_seconds}",
+            f"--shutdown-timeout={torchrun_shutdown_timeout(spec)}",
+        ],
+        "env": [],
+        "ports": [{"name": "rendezvous", "containerPort": naming.MASTER_PORT}],
+        "resources": STORE_RESOURCES,
+        "securityContext": _container_security(spec) | {"capabilities": {"drop": ["ALL"]}},
+    }
+    gang = {
+        "matchLabels": {naming.LABEL_JOB: job.name, naming.LABEL_ATTEMPT: str(attempt)},
+        "matchExpressions": [{"key": naming.LABEL_NODE_RANK, "operator": "Exists"}],
+    }
+    planned = sorted({n for n in avoid if n})
+    off_planned = {
+        "weight": 100,
+        "preference": {  # one value per field requirement (the API server's rule), ANDed
+            "matchFields": [
+                {"key": "metadata.name", "operator": "NotIn", "values": [n]} for n in planned
+            ]
+        },
+    }
+    pod_spec: dict[str, Any] = {
+        **_named_in_service(job, spec, name),
+        "automountServiceAccountToken": False,
+        "affinity": {
+            **(
+                {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [off_planned]}}
+                if planned
+                else {}
+            ),
+            "podAntiAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 100,
+                        "podAffinityTerm": {
+                            "labelSelector": gang,
+                            "topologyKey": "kubernetes.io/hostname",
+                        },
+                    }
+                ]
+            },
+        },
+        "containers": [container],
+    }
+    tolerations = [
+        t.model_dump(by_alias=True, exclude_none=True, mode="json")
+        for t in spec.resources.tolerations
+    ]
+    if tolerations:  # not the gang's short node-loss ones: a store pod is never replaced
+        pod_spec["tolerations"] = tolerations
+    settings = spec.pod
+    metadata["labels"] = {**settings.labels, **metadata["labels"]}
+    metadata["annotations"] = {**settings.annotations, naming.ANNOTATION_PLACED: placed}
+    if settings.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in settings.image_pull_secrets]
+    if settings.priority_class_name:
+        pod_spec["priorityClassName"] = settings.priority_class_name
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
 
 
 def _apply_pod_settings(

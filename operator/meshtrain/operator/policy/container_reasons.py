@@ -72,6 +72,17 @@ such file or directory``, ``exec /run.sh: exec format error``).  The same words 
 there) are not the command's: retried."""
 TERMINATED_REASONS = START_ERROR_REASONS | {OOM_KILLED}
 """Terminated reasons that name a problem (``Error`` and ``Completed`` say only the exit code)."""
+RUNTIME_LOST = ("Unknown", 255)
+"""Terminated reason and exit code containerd's CRI gives, when it starts again, a container it
+had running whose task (its shim) is gone: the node lost power or rebooted, or containerd was
+killed with the shims (seen in the sandbox with the node's kubelet, containerd and shims SIGKILLed
+and started again, ``make bench-faults``'s ``node`` fault).  A process's own exit 255 is reason
+``Error``."""
+STATUS_UNKNOWN = "ContainerStatusUnknown"
+"""Terminated reason (exit code 137) the kubelet itself writes for a container the runtime no
+longer reports (its state wiped, or another runtime's way of losing it)."""
+RUNTIME_LOST_REASON = "ContainerRuntimeLost"
+"""The reason meshtrain records for either: not the trainer's exit, the node's."""
 EVICTED, DEADLINE_EXCEEDED = "Evicted", "DeadlineExceeded"
 POD_REASONS = frozenset({EVICTED, DEADLINE_EXCEEDED})
 """Pod ``status.reason`` values the kubelet explains in ``status.message``."""
@@ -140,6 +151,23 @@ def _of_container(container: Mapping[str, Any], limits: Mapping[str, str]) -> Pr
             message = _text(said.get("message"))
             return Problem(said["reason"], message, name, limits.get(name))
     return None
+
+
+def runtime_lost(terminated: object) -> bool:
+    """Whether a container's ``state.terminated`` says the node lost it, not its process
+    (:data:`RUNTIME_LOST`, :data:`STATUS_UNKNOWN`)."""
+    if not isinstance(terminated, Mapping):
+        return False
+    reason = terminated.get("reason")
+    return reason == STATUS_UNKNOWN or (reason, terminated.get("exitCode")) == RUNTIME_LOST
+
+
+def any_runtime_lost(pod: Mapping[str, Any]) -> bool:
+    """Whether the node lost any container of ``pod`` (a few containers read)."""
+    return any(
+        runtime_lost((c.get("state") or {}).get("terminated"))
+        for c in _statuses(pod.get("status") or {})
+    )
 
 
 def read(pod: Mapping[str, Any]) -> Problem | None:

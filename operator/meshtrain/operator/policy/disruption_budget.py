@@ -6,7 +6,7 @@ restarted a job hundreds of times a minute.  :func:`judge` counts the disruption
 row (a gang that ran for :data:`STEADY_SECONDS` starts the count again), fails the job once they
 pass the limit, spaces the next placement after a repeated one (:data:`WAITING`), and excludes
 a node that disrupted the job twice the way a straggler's node is (``status.excludedNodes``,
-left out of the job's placements for ``stragglers.EXCLUSION_SECONDS``).  A preemption
+left out of the job's placements for ``excluded_nodes.EXCLUSION_SECONDS``).  A preemption
 (:data:`PREEMPTIONS`: the cluster took the pods back for other work, from a healthy node) is
 spaced the same way but spends no budget and excludes no node.
 Pure: the jitter comes from the job's UID and attempt, so a decision repeated waits the same.
@@ -22,6 +22,8 @@ from typing import Any
 
 from meshtrain.operator.policy import (
     conditions,
+    container_reasons,
+    excluded_nodes,
     job_actions,
     pod_failure,
     pod_state,
@@ -84,6 +86,10 @@ def _reason(pod: pod_state.PodState) -> str:
     its ``DisruptionTarget`` condition's (``PreemptionByScheduler``, ``DeletionByTaintManager``)."""
     if pod.phase == "Unknown":
         return "NodeLost"
+    if pod.runtime_lost:
+        return container_reasons.RUNTIME_LOST_REASON
+    if pod.left_bad_gpu:
+        return conditions.BAD_GPU
     return (
         pod.reason
         or pod.disruption_reason
@@ -182,15 +188,6 @@ def _exclusions(
     ]
 
 
-def _excluded_after(status: Mapping[str, Any], added: Sequence[dict[str, Any]]) -> list[Any]:
-    """``status.excludedNodes`` with ``added``: other reasons' entries kept, of this reason the newest
-    :data:`NODES_KEPT`."""
-    previous = [e for e in status.get("excludedNodes") or [] if isinstance(e, Mapping)]
-    ours = [i for i, e in enumerate(previous) if e.get("reason") == REASON]
-    dropped = set(ours[: max(len(ours) + len(added) - NODES_KEPT, 0)])
-    return [*(e for i, e in enumerate(previous) if i not in dropped), *added]
-
-
 def describe(nodes: Sequence[Mapping[str, Any]]) -> str:
     """The nodes, most disruptions first: ``n1 (2, UnexpectedAdmissionError), n2 (1, NodeLost)``."""
     ranked = sorted(nodes, key=lambda e: -int(e["count"]))[:5]
@@ -262,7 +259,7 @@ def judge(
     changes: dict[str, Any] = {"disruptions": record}
     note = f"disruption restart {before + 1} of {limit} in a row"
     if excluded:
-        changes["excludedNodes"] = _excluded_after(status, excluded)
+        changes["excludedNodes"] = excluded_nodes.excluded_after(status, excluded, REASON)
         gone = ", ".join(e["node"] for e in excluded)
         note += f"; node(s) {gone} excluded: each disrupted the job {EXCLUDED_AFTER} times"
     if wait:

@@ -15,11 +15,13 @@ import datetime
 from collections.abc import Sequence
 
 from meshtrain.operator.policy import (
+    bad_gpus,
     conditions,
     container_reasons,
     disruption_budget,
     job_actions,
     job_state,
+    kubelet_tier,
     pod_failure,
     pod_state,
     replacement,
@@ -98,6 +100,12 @@ def restart_or_fail(
         if budget is not None
         else f"{message}; restarting the gang (restart {used + 1} of {limit})"
     )
+    counted = {"disruptionRestarts": disruptions + 1, **budget.status} if budget else {}
+    # a node a pod left for a bad GPU is excluded whatever else failed with it
+    excluded = bad_gpus.excluded_after({**job.status, **counted}, current, seen.now)
+    if excluded is not None:
+        counted["excludedNodes"] = excluded
+        note += bad_gpus.describe(current)
     reason = next((f.reason for f in failures if f.reason), conditions.GANG_RESTARTING)
     conds = situation.set_conditions(
         seen,
@@ -110,7 +118,7 @@ def restart_or_fail(
         job,
         phase=job_state.Phase.RESTARTING.value,
         restarts=restarts + 1,
-        **({"disruptionRestarts": disruptions + 1, **budget.status} if budget else {}),
+        **counted,
         placement=[],
         straggler=None,
         conditions=conds,
@@ -186,6 +194,44 @@ DEADLINE_EXCEEDED = situation.MAY_RUN.rule(
     _past_deadline,
     _deadline_exceeded,
     owed=False,
+)
+STORE_HOST_EXIT_SECONDS = 20.0
+"""How long the other pods' exit 75 waits, from the last of them, for pod 0's own exit when pod 0
+hosts the rendezvous store and its trainer still runs.  Its supervisor halts the gang when one of
+its GPUs failed twice and leaves at once, usually before the others, whose 75 then follows from
+it; its code names the cause (79: a disruption by its node, which the rebuild must leave out)."""
+CLOCK_SKEW_SECONDS = 5.0
+"""A container's exit time (its node's clock) this far ahead of the operator's is not believed:
+no wait is measured from it."""
+
+
+def _store_host_exit_due(seen: situation.Situation) -> float:
+    """Seconds left to wait for pod 0's exit (0: decide now).
+
+    Only while every failure is a pod whose supervisor gave up (75), pod 0 hosts the store and its
+    built-in trainer runs, and the last of those exits is less than
+    :data:`STORE_HOST_EXIT_SECONDS` old.
+    """
+    failures = seen.failures
+    if not failures or not all(f.gave_up for f in failures):
+        return 0.0
+    if seen.spec.trainer.type == "custom" or not kubelet_tier.hosts_store(seen.spec, 0):
+        return 0.0
+    host = next((p for p in seen.current if p.index == 0), None)
+    if host is None or host.phase != "Running" or host.deleting or host.exit_code is not None:
+        return 0.0
+    failed = {f.pod for f in failures}
+    exits = [p.finished_at for p in seen.current if p.name in failed and p.finished_at]
+    if not exits or max(exits) > seen.now + datetime.timedelta(seconds=CLOCK_SKEW_SECONDS):
+        return 0.0
+    return STORE_HOST_EXIT_SECONDS - (seen.now - max(exits)).total_seconds()
+
+
+STORE_HOST_EXITING = situation.PLACED.rule(
+    "the other pods gave up (75) while pod 0, the store's host, still runs: wait for its own exit, "
+    "which names the cause, at most STORE_HOST_EXIT_SECONDS after theirs",
+    lambda seen: _store_host_exit_due(seen) > 0,
+    lambda seen: job_actions.Decision((), requeue_after=_store_host_exit_due(seen)),
 )
 GANG_FAILED = situation.PLACED.rule(
     "a pod of the gang failed or vanished: restart the gang, or Failed",

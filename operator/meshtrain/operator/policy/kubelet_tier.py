@@ -5,9 +5,10 @@ The built-in trainer runs its per-pod supervisor (``meshtrain.trainer.supervise`
 failed worker processes itself (the process tier).  When the supervisor's container dies (SIGKILL,
 a crash in native code), the kubelet restarts it on the same pod, node and volumes, by the
 container's ``restartPolicyRules`` (KEP-5307, beta and on by default since Kubernetes 1.35): no
-pod is deleted and nothing is placed again; the operator counts it (``in_place``).  Not on pod 0:
-its supervisor hosts the rendezvous store, which a restart would lose (the other pods then exit
-75 anyway), so its container dying is a gang rebuild.  An API server before 1.35 refuses
+pod is deleted and nothing is placed again; the operator counts it (``in_place``).  Not on pod 0
+when its supervisor hosts the rendezvous store (``rendezvousStore: pod0``), which a restart would
+lose (the other pods then exit 75 anyway), so its container dying is a gang rebuild; with a store
+pod (:func:`store_pod`) pod 0 restarts in place like the others.  An API server before 1.35 refuses
 ``restartPolicy`` on a regular container (1.34 only with the alpha gate): the operator asks the
 server's version once (:func:`rules_served`, ``--container-restart-rules``) and leaves the rules
 out there; the supervisor still recovers processes in place.
@@ -71,12 +72,29 @@ RestartAll = Literal["off", "on", "auto"]
 """``--restart-all-containers``: never; always (no version or node check); where the API server
 serves the action and every node of the gang declares :data:`NODE_FEATURE`."""
 POD_WITHOUT_RULES = 0
-"""Pod index whose container never restarts in place: its supervisor hosts the rendezvous store."""
+"""Pod index whose container never restarts in place when its supervisor hosts the rendezvous store."""
 
 ENV_IN_PLACE = "MESHTRAIN_RECOVERY_IN_PLACE"
 ENV_IN_PLACE_LIMIT = "MESHTRAIN_RECOVERY_IN_PLACE_LIMIT"
 ENV_WARM_SPARES = "MESHTRAIN_RECOVERY_WARM_SPARES"
 ENV_REJOIN_TIMEOUT = "MESHTRAIN_RECOVERY_REJOIN_TIMEOUT_SECONDS"
+ENV_RENDEZVOUS_STORE = "MESHTRAIN_RECOVERY_RENDEZVOUS_STORE"
+"""Where the pod's gang meets its rendezvous store (``pod0`` or :data:`DEDICATED`): the supervisor
+follows it, as ``MASTER_ADDR`` was built with it."""
+DEDICATED = "dedicated"
+
+
+def store_pod(spec: api_spec.TrainingJobSpec) -> bool:
+    """Whether the job's rendezvous store runs in a pod of its own (``rendezvousStore: dedicated``
+    for the built-in trainer in place): ``MASTER_ADDR`` names that pod, and pod 0 is recovered in
+    place and replaced alone like any other pod."""
+    return spec.trainer.type == "builtin" and spec.run_policy.recovery.dedicated_store
+
+
+def hosts_store(spec: api_spec.TrainingJobSpec, index: int) -> bool:
+    """Whether pod ``index``'s supervisor hosts the rendezvous store (pod 0 without a store pod):
+    losing it loses the store, so it is never restarted nor replaced alone."""
+    return index == POD_WITHOUT_RULES and not store_pod(spec)
 
 
 def enabled(spec: api_spec.TrainingJobSpec) -> bool:
@@ -152,13 +170,13 @@ def restart_fields(
             "restartPolicy": "Never",
             "restartPolicyRules": [{"action": RESTART_ALL, "exitCodes": codes}],
         }
-    if not enabled(spec) or index == POD_WITHOUT_RULES or not rules:
+    if not enabled(spec) or hosts_store(spec, index) or not rules:
         return {}
     rule = {"action": "Restart", "exitCodes": {"operator": "In", "values": list(RESTART_CODES)}}
     return {"restartPolicy": "Never", "restartPolicyRules": [rule]}
 
 
-def recovery_env(spec: api_spec.TrainingJobSpec) -> dict[str, int]:
+def recovery_env(spec: api_spec.TrainingJobSpec) -> dict[str, int | str]:
     """``runPolicy.recovery`` for the supervisor (``IN_PLACE`` is 0 when :func:`enabled` is not)."""
     recovery = spec.run_policy.recovery
     return {
@@ -166,4 +184,5 @@ def recovery_env(spec: api_spec.TrainingJobSpec) -> dict[str, int]:
         ENV_IN_PLACE_LIMIT: recovery.in_place_limit,
         ENV_WARM_SPARES: recovery.warm_spares,
         ENV_REJOIN_TIMEOUT: recovery.rejoin_timeout_seconds,
+        ENV_RENDEZVOUS_STORE: DEDICATED if store_pod(spec) else "pod0",
     }

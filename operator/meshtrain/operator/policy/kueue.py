@@ -91,17 +91,10 @@ def _held(seen: situation.Situation) -> job_actions.Decision:
     queued = conditions.find(job_state.conditions_of(job), conditions.QUEUED) or {}
     reason, message = _why_held(seen.kueue)
     actions: list[job_actions.Action] = []
-    if state is None:
-        actions.append(kueue_workload.CreateWorkload(seen.kueue.priority))
-    if seen.kueue.move_to is not None:
-        actions.append(kueue_workload.MoveWorkload(seen.kueue.move_to))
-    if any(not p.deleting for p in pods):
-        actions.append(job_actions.DeletePods(pod_state.undeleted(pods)))
-    free = quota_free(seen)
-    if free and isinstance(state, kueue_workload.Evicted) and state.holds_quota:
-        actions.append(kueue_workload.ReleaseQuota())
-    elif free and isinstance(state, kueue_workload.Outdated):
-        actions.append(kueue_workload.DeleteWorkload())
+    # Queued=True is written before the Workload is created: a job without its queue label is
+    # looked up in Kueue only when its status says it was queued, so a Workload created by a
+    # pass whose status write then lost a race (the label removed meanwhile) would be left
+    # behind, waiting in Kueue for a job that no longer queues.
     if (queued.get("status"), queued.get("reason"), queued.get("message")) != (
         conditions.TRUE,
         reason,
@@ -129,6 +122,17 @@ def _held(seen: situation.Situation) -> job_actions.Decision:
             ),
             job_actions.Emit("Warning" if warning else "Normal", reason, message),
         ]
+    if state is None:
+        actions.append(kueue_workload.CreateWorkload(seen.kueue.priority))
+    if seen.kueue.move_to is not None:
+        actions.append(kueue_workload.MoveWorkload(seen.kueue.move_to))
+    if any(not p.deleting for p in pods):
+        actions.append(job_actions.DeletePods(pod_state.undeleted(pods)))
+    free = quota_free(seen)
+    if free and isinstance(state, kueue_workload.Evicted) and state.holds_quota:
+        actions.append(kueue_workload.ReleaseQuota())
+    elif free and isinstance(state, kueue_workload.Outdated):
+        actions.append(kueue_workload.DeleteWorkload())
     # A kept pod's deletion wakes the job; the slow recheck is a safety net.
     recheck = 1.0 if seen.holding else None if free else situation.LEAVING_RECHECK_SECONDS
     return job_actions.Decision(tuple(actions), requeue_after=recheck)

@@ -21,6 +21,7 @@ from meshtrain.operator.policy import (
     failure,
     job_actions,
     job_state,
+    kubelet_tier,
     kueue_topology,
     pod_failure,
     replacement,
@@ -87,7 +88,9 @@ def _message(seen: situation.Situation, indices: tuple[int, ...]) -> str:
 
 def _replace_alone(seen: situation.Situation, indices: tuple[int, ...]) -> bool:
     """Whether the pods ``indices`` can be replaced alone (the lost-pod tier's conditions)."""
-    if 0 in indices or not seen.gang_running or not replacement.rejoins(seen.spec):
+    if not seen.gang_running or not replacement.rejoins(seen.spec):
+        return False
+    if any(kubelet_tier.hosts_store(seen.spec, i) for i in indices):
         return False
     survivors = [p for p in seen.current if p.index not in indices]
     if not all(p.rejoins and not p.terminal and not p.gated for p in survivors):

@@ -21,6 +21,7 @@ from meshtrain.operator.policy import (
     kueue,
     kueue_reassigned,
     kueue_workload,
+    pod_failure,
     pod_loss,
     pod_state,
     running,
@@ -58,6 +59,7 @@ RULES: tuple[situation.Rule | situation.Note, ...] = (
     spec_change.REBUILD,
     # PLACED: placed for the spec as it is.
     in_place.COUNTED,
+    failure.STORE_HOST_EXITING,
     pod_loss.REPLACE_LOST,
     failure.GANG_FAILED,
     in_place.EXHAUSTED_REBUILD,
@@ -90,6 +92,7 @@ def decide(
     nodes_gone: frozenset[str] = frozenset(),
     spares_holding: int = 0,
     node_labels: Mapping[str, Mapping[str, str]] | None = None,
+    store_loss: pod_failure.Failure | None = None,
 ) -> job_actions.Decision:
     """The next actions for ``job`` given its pods (every pod labelled with the job) at ``now``.
 
@@ -103,9 +106,17 @@ def decide(
     vanished with its node, as PodGC force-deletes it, is a disruption).  ``spares_holding``: the
     job's spare pods that still hold resources (no pods of the gang; the quota waits for them).
     ``node_labels``: labels of the nodes the pods are on or planned on (Kueue TAS's assignment).
+    ``store_loss``: the placed gang's store pod lost (``store_pod.loss``).
     """
     seen = situation.Situation(
-        job, tuple(pods), now, kueue, nodes_gone, spares_holding, dict(node_labels or {})
+        job,
+        tuple(pods),
+        now,
+        kueue,
+        nodes_gone,
+        spares_holding,
+        dict(node_labels or {}),
+        store_loss,
     )
     owed: list[job_actions.Action] = []
     for row in RULES:

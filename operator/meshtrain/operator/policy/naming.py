@@ -34,12 +34,18 @@ recovering in place): only such a gang has a lost pod replaced alone."""
 LABEL_SPARE = f"{GROUP}/spare"
 """On a spare pod (``runPolicy.recovery.spareNodes``): its number; it holds a node's GPUs for a
 replacement and carries no node rank, so the gang's rules never count it."""
+LABEL_STORE = f"{GROUP}/rendezvous-store"
+"""On a job's store pod (``rendezvousStore: dedicated``), ``"true"``: it carries no node rank
+either (the gang's rules never count it)."""
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "meshtrain-operator"
 """Value of ``app.kubernetes.io/managed-by`` on every child."""
 
 ANNOTATION_NODE = f"{GROUP}/planned-node"
 """Node the planner chose for a pod (also its required node affinity)."""
+ANNOTATION_PLACED = f"{GROUP}/placed-at"
+"""On a store pod: its placement's ``status.startTime`` (a new one after a Kueue eviction or a
+suspension, kept by crash recovery): a store of another placement is never reused."""
 
 GANG_GATE = f"{GROUP}/gang"
 """Scheduling gate on every pod until the whole gang exists."""
@@ -92,9 +98,16 @@ def pod_name(job: str, attempt: int, index: int) -> str:
 
 def replacement_pod_name(job: str, attempt: int, index: int, replacement: int) -> str:
     """The ``replacement``-th pod replacing a lost pod ``index`` of gang ``attempt``:
-    ``<job>-r<attempt>-<index>-p<replacement>`` (its hostname too; pod 0 is never replaced, so
-    ``MASTER_ADDR``, pod 0's name in the headless Service, stays valid)."""
+    ``<job>-r<attempt>-<index>-p<replacement>`` (its hostname too).  Pod 0 is replaced only when
+    the store runs in a pod of its own, whose name ``MASTER_ADDR`` then holds; otherwise pod 0's
+    name in the headless Service, which stays valid since pod 0 is never replaced."""
     return f"{pod_name(job, attempt, index)}-p{replacement}"
+
+
+def store_pod_name(job: str, attempt: int) -> str:
+    """The rendezvous store's pod of gang ``attempt`` (``rendezvousStore: dedicated``):
+    ``<job>-r<attempt>-store`` (its hostname too)."""
+    return f"{job}-r{attempt}-store"
 
 
 def spare_pod_name(job: str, attempt: int, number: int) -> str:
@@ -150,9 +163,11 @@ def configmap_name(job: str) -> str:
     return f"{job}-spec"
 
 
-def master_addr(job: str, namespace: str, attempt: int) -> str:
-    """DNS name of the rank-0 pod through the headless Service (cluster-domain independent)."""
-    return f"{pod_name(job, attempt, 0)}.{service_name(job)}.{namespace}.svc"
+def master_addr(job: str, namespace: str, attempt: int, *, store_pod: bool = False) -> str:
+    """DNS name of the rendezvous store's host through the headless Service (cluster-domain
+    independent): the rank-0 pod, or the store pod (``store_pod``)."""
+    host = store_pod_name(job, attempt) if store_pod else pod_name(job, attempt, 0)
+    return f"{host}.{service_name(job)}.{namespace}.svc"
 
 
 def int_label(labels: Mapping[str, str] | None, key: str) -> int | None:

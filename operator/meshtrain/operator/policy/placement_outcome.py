@@ -203,9 +203,13 @@ def planning_refused(job: job_state.JobState, seconds: float, now: datetime.date
 
 
 def old_gang_leaving(
-    job: job_state.JobState, pods: Sequence[pod_state.PodState], now: datetime.datetime
+    job: job_state.JobState,
+    pods: Sequence[pod_state.PodState],
+    now: datetime.datetime,
+    stores: Sequence[str] = (),
 ) -> Unplaced:
-    """The gang waits while ``pods`` of a dropped placement are still there: Placed=False, naming them.
+    """The gang waits while ``pods`` of a dropped placement are still there: Placed=False, naming them
+    (and ``stores``, its rendezvous store's pod still terminating: the new one takes its name).
 
     Pods of the attempt take the new pods' names; an earlier attempt's hold their GPUs until gone
     (planned beside them, the gang would be sized down for a moment's shortage; onto their GPUs,
@@ -215,6 +219,7 @@ def old_gang_leaving(
         f"{p.name} ({p.phase if p.terminal else 'terminating'}{f' on {p.node}' if p.bound else ''})"
         for p in sorted(pods, key=lambda p: p.name)
     )
+    names = ", ".join([*([names] if names else []), *(f"{s} (terminating)" for s in stores)])
     message = f"waiting for pod(s) of the dropped placement to be gone: {names}"
     return unplaced(job, conditions.OLD_PODS_TERMINATING, message, now)
 

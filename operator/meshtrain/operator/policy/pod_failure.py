@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtrain.api import exitcodes
-from meshtrain.operator.policy import container_reasons, naming, pod_state
+from meshtrain.operator.policy import conditions, container_reasons, naming, pod_state
 
 DISRUPTION_REASONS = frozenset(
     {
@@ -60,6 +60,9 @@ class Failure:
     reason: str | None = None
     """The kubelet's reason (ErrImagePull, OOMKilled, ...): the job's condition and Event carry it
     (None: the operator's own, PermanentFailure or GangRestarting)."""
+    gave_up: bool = False
+    """Exit 75: the trainer gave up recovering in place, which may follow from another failure
+    (the rendezvous store pod's loss, ``store_pod.loss``)."""
 
 
 def disrupted(pod: pod_state.PodState) -> bool:
@@ -106,7 +109,9 @@ def classify(pod: pod_state.PodState) -> Failure | None:
     was OOM-killed (the same step would run out of memory again: the gang is rebuilt, as before)
     or the kubelet holds it in ``CrashLoopBackOff`` (it died again: :func:`_crash_looping`);
     exit code 75 (:data:`~meshtrain.api.exitcodes.GANG_RESTART`) asks for the gang rebuild even
-    while sidecars keep the pod Running.
+    while sidecars keep the pod Running, and exit code 79
+    (:data:`~meshtrain.api.exitcodes.DEVICE_SUSPECT`: a GPU failed twice) is a disruption by the
+    node, likewise.
     """
     found = _classify(pod)
     if found is None or found.permanent or not disrupted(pod):
@@ -137,6 +142,17 @@ def _classify(pod: pod_state.PodState) -> Failure | None:
             return _named(pod.name, pod.problem, container_reasons.cannot_run(pod.problem))
         if code == exitcodes.GANG_RESTART:
             return _gang_restart(pod)
+        if pod.left_bad_gpu:
+            return _bad_gpu(pod)
+        if pod.runtime_lost:
+            return Failure(
+                pod.name,
+                False,
+                f"pod {pod.name}: node {pod.node} lost its trainer container (the runtime came "
+                "back without it, or the kubelet no longer finds it: a power loss, a reboot, "
+                "containerd killed)",
+                disruption=True,
+            )
         if code is not None and code > 128:
             return Failure(
                 pod.name,
@@ -148,6 +164,8 @@ def _classify(pod: pod_state.PodState) -> Failure | None:
         return Failure(pod.name, False, f"pod {pod.name} failed ({pod.reason or 'no exit code'})")
     if not pod.terminal and pod.exit_code == exitcodes.GANG_RESTART:
         return _gang_restart(pod)  # its other containers (sidecars) may keep the pod Running
+    if not pod.terminal and pod.left_bad_gpu:
+        return _bad_gpu(pod)  # likewise
     if not pod.terminal and oom_killed(pod.problem) and pod.problem is not None:
         return _named(pod.name, pod.problem, False)  # restarted in place, it would run out again
     if not pod.terminal and pod.crash_loop is not None:
@@ -187,8 +205,30 @@ def _gang_restart(pod: pod_state.PodState) -> Failure:
         False,
         f"pod {pod.name}: the trainer gave up recovering in place (exit code "
         f"{exitcodes.GANG_RESTART}: runPolicy.recovery.inPlaceLimit reached, a rank did not rejoin, "
-        "or rank 0's store is gone)",
+        "or the rendezvous store is gone)",
+        gave_up=True,
     )
+
+
+def _bad_gpu(pod: pod_state.PodState) -> Failure:
+    """Exit 79: the pod's supervisor took one of its GPUs for bad.  A disruption (the node's
+    hardware, not the job), so ``backoffLimit`` is not spent; ``bad_gpus`` excludes the node."""
+    said = bad_gpu_said(pod)
+    return Failure(
+        pod.name,
+        False,
+        f"pod {pod.name} left node {pod.node} (exit code {exitcodes.DEVICE_SUSPECT}): {said}",
+        disruption=True,
+        reason=conditions.BAD_GPU,
+    )
+
+
+def bad_gpu_said(pod: pod_state.PodState) -> str:
+    """What the supervisor of a pod that left a bad GPU said (its termination message, cut short:
+    the pod's words go into the job's status), or what exit 79 means."""
+    if pod.reported is not None and pod.reported[1]:
+        return pod.reported[1][: container_reasons.MAX_MESSAGE]
+    return "one of its GPUs failed twice within an hour"
 
 
 def oom_killed(problem: container_reasons.Problem | None) -> bool:

@@ -1,12 +1,17 @@
 """The pod tier of in-place recovery: a pod lost from a running gang is replaced alone.
 
-A pod is lost when it is deleted, evicted or disrupted, its node is gone, or it vanished.  A node
+A pod is lost when it is deleted, evicted or disrupted, its node is gone, it vanished, or its
+node's container runtime lost its trainer container (``PodState.runtime_lost``: containerd
+restarted under it; the node is Ready again and may take the replacement), or its supervisor
+left one of its GPUs for bad (``PodState.left_bad_gpu``: the replacement avoids the node, which
+``bad_gpus`` excludes from the job).  A node
 that stops reporting is tainted ``unreachable``/``not-ready`` (NoExecute) by the node lifecycle
 controller; a rejoining gang's pods tolerate that only ``replacement.node_loss_seconds`` (a third
 of the rejoin window, at most 30 s), then the taint manager evicts them (deleted, with a
 ``DisruptionTarget`` condition): a lost node is seen well within the window.  A pod whose own
 trainer failed is not lost (the kubelet's container tier and the gang rebuild answer that).  When
-every lost pod is lost that way, none is pod 0 (its supervisor hosts the rendezvous store), every
+every lost pod is lost that way, none is pod 0 when its supervisor hosts the rendezvous store
+(``rendezvousStore: pod0``; with a store pod of its own pod 0 is replaced like the others), every
 other pod of the gang still runs and can rejoin (``naming.LABEL_REJOINS``), and the gang attempt
 has in-place recoveries left (``runPolicy.recovery.inPlaceLimit``), the reconciler replaces only
 the lost pods (``job_actions.ReplacePods``); where no node takes them it does what
@@ -15,10 +20,13 @@ the lost pods (``job_actions.ReplacePods``); where no node takes them it does wh
 
 from __future__ import annotations
 
+from meshtrain.api import spec as api_spec
 from meshtrain.operator.policy import (
+    bad_gpus,
     failure,
     job_actions,
     job_state,
+    kubelet_tier,
     pod_failure,
     pod_state,
     replacement,
@@ -36,20 +44,38 @@ def _cause(pod: pod_state.PodState, nodes_gone: frozenset[str]) -> str | None:
         return f"disrupted ({pod.reason or pod.disruption_reason or 'DisruptionTarget'})"
     if pod.deleting and not pod.terminal:
         return "pod deleted"
+    if pod.runtime_lost and pod.terminal:
+        return "container runtime lost it"
+    if pod.left_bad_gpu:
+        return "a GPU failed twice"
     return None
 
 
 def _node_lost_it(pod: pod_state.PodState, nodes_gone: frozenset[str]) -> bool:
     """Whether the node, not a deletion, lost the pod: a replacement must not go back there."""
     return pod.node is not None and (
-        pod.node in nodes_gone or pod.phase == "Unknown" or pod_failure.disrupted(pod)
+        pod.node in nodes_gone
+        or pod.phase == "Unknown"
+        or pod_failure.disrupted(pod)
+        or pod.left_bad_gpu
     )
+
+
+def _trainer_runs(spec: api_spec.TrainingJobSpec, pod: pod_state.PodState) -> bool:
+    """Whether a surviving pod's trainer runs, or is about to again: not exited (a sidecar keeps a
+    pod Running after its trainer left), or exited with a code the kubelet restarts it on."""
+    if pod.exit_code is None:
+        return True
+    restarts = kubelet_tier.enabled(spec) and not kubelet_tier.hosts_store(spec, pod.index)
+    return restarts and pod.exit_code in kubelet_tier.RESTART_CODES
 
 
 def lost(seen: situation.Situation) -> job_actions.ReplacePods | None:
     """The replacement of the gang's lost pods, or None when this tier does not apply."""
     spec = seen.spec
     if seen.phase != job_state.Phase.RUNNING.value or not replacement.rejoins(spec):
+        return None
+    if seen.store_loss is not None:  # every rank lost the store: the gang is rebuilt
         return None
     failures = seen.failures
     if any(f.permanent for f in failures):
@@ -68,9 +94,11 @@ def lost(seen: situation.Situation) -> job_actions.ReplacePods | None:
     for index in seen.missing:
         causes.append((index, "", "pod vanished"))
     indices = tuple(sorted(index for index, _, _ in causes))
-    if not indices or 0 in indices:
+    if not indices or any(kubelet_tier.hosts_store(spec, i) for i in indices):
         return None
-    if not all(p.rejoins and not p.terminal and not p.gated for p in survivors):
+    if not all(
+        p.rejoins and not p.terminal and not p.gated and _trainer_runs(spec, p) for p in survivors
+    ):
         return None
     limit = spec.run_policy.recovery.in_place_limit
     placed = replacement.entries(seen.job.status)
@@ -99,11 +127,16 @@ def _replace(seen: situation.Situation) -> job_actions.Decision:
     # "at once": a rebuild's own writes bring the next pass, and a replacement waiting for its
     # lost pod to stop is woken by that pod's events (a zero here spun ~18 passes a second).
     again = failure.restart_or_fail(seen, seen.failures).requeue_after
-    return job_actions.Decision((replace,), requeue_after=again or None)
+    excluded = bad_gpus.excluded_after(seen.job.status, seen.current, seen.now)
+    written = (
+        () if excluded is None else (job_actions.set_status(seen.job, excludedNodes=excluded),)
+    )
+    return job_actions.Decision((*written, replace), requeue_after=again or None)
 
 
 REPLACE_LOST = situation.PLACED.rule(
-    "pods lost from a running gang that rejoins, pod 0 not among them: replace only them",
+    "pods lost from a running gang that rejoins, pod 0 not among them unless a store pod hosts the "
+    "rendezvous: replace only them",
     lambda seen: bool(seen.failures) and seen.once(lost) is not None,
     _replace,
 )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtrain.api import exitcodes
@@ -77,6 +77,8 @@ class PodState:
     """(exit code, message) a rank left in its termination message when it failed (torchrun hides its code)."""
     termination_message: str | None = None
     """``state.terminated.message`` of the trainer container (rank 0's final progress on success)."""
+    finished_at: datetime.datetime | None = None
+    """``state.terminated.finishedAt`` of the trainer container, on its node's clock: when it exited."""
     problem: container_reasons.Problem | None = None
     """The first reason the kubelet gives for a container not running or the pod's end (ErrImagePull, OOMKilled, ...)."""
     pulling: bool = False
@@ -97,11 +99,27 @@ class PodState:
     crash_loop: str | None = None
     """The kubelet's message while it holds the trainer container in ``CrashLoopBackOff`` (None:
     it is not)."""
+    runtime_lost: bool = False
+    """The node lost the trainer container under it, not its process (containerd came back
+    without the container's shim: a power loss, a reboot, containerd killed with its shims; or
+    the kubelet no longer finds it): terminated ``Unknown``/255 or ``ContainerStatusUnknown``
+    (:func:`container_reasons.runtime_lost`)."""
 
     @property
     def terminal(self) -> bool:
         """Succeeded or Failed: holds no GPUs any more."""
         return self.phase in ("Succeeded", "Failed")
+
+    @property
+    def left_bad_gpu(self) -> bool:
+        """Its trainer container exited ``DEVICE_SUSPECT`` with the supervisor's report of it: its
+        supervisor took one of its GPUs for bad (a custom program's own 79 is no such report).
+        Terminal or not: a sidecar may keep the pod Running after the trainer left."""
+        return (
+            self.exit_code == exitcodes.DEVICE_SUSPECT
+            and self.reported is not None
+            and self.reported[0] == exitcodes.DEVICE_SUSPECT
+        )
 
     @property
     def holds_resources(self) -> bool:
@@ -127,7 +145,7 @@ def read(pod: dict[str, Any]) -> PodState | None:
     if index is None or attempt is None:
         return None
     status = pod.get("status") or {}
-    exit_code, message, trainer = None, None, {}
+    exit_code, message, trainer, runtime_lost, finished_at = None, None, {}, False, None
     for container in (status.get("containerStatuses") or [])[: container_reasons.MAX_CONTAINERS]:
         if container.get("name") == naming.CONTAINER:
             trainer = container
@@ -136,6 +154,9 @@ def read(pod: dict[str, Any]) -> PodState | None:
                 exit_code = int(terminated["exitCode"])
             if terminated and isinstance(terminated.get("message"), str):
                 message = terminated["message"]
+            if terminated:
+                finished_at = _time(terminated.get("finishedAt"))
+            runtime_lost = container_reasons.runtime_lost(terminated)
     refusal = next(
         (
             c
@@ -146,14 +167,7 @@ def read(pod: dict[str, Any]) -> PodState | None:
         ),
         None,
     )
-    disruption = next(
-        (
-            c
-            for c in status.get("conditions") or []
-            if c.get("type") == "DisruptionTarget" and c.get("status") == "True"
-        ),
-        None,
-    )
+    disruption = disruption_target(pod)
     return PodState(
         name=metadata.get("name", ""),
         index=index,
@@ -180,6 +194,7 @@ def read(pod: dict[str, Any]) -> PodState | None:
         nominated=status.get("nominatedNodeName") or None,
         reported=exitcodes.read_failure_report(message) if exit_code else None,
         termination_message=message,
+        finished_at=finished_at,
         problem=container_reasons.read(pod)
         or container_reasons.restarted_oom(pod, naming.CONTAINER),
         pulling=container_reasons.pulling(pod),
@@ -190,6 +205,7 @@ def read(pod: dict[str, Any]) -> PodState | None:
         restarts=_count(trainer.get("restartCount")),
         last_exit=_last_exit(trainer),
         crash_loop=_crash_loop(trainer),
+        runtime_lost=runtime_lost,
     )
 
 
@@ -207,6 +223,16 @@ def _count(value: object) -> int:
     return value if 0 <= value <= MAX_RESTART_COUNT else 0
 
 
+def _time(value: object) -> datetime.datetime | None:
+    """An RFC 3339 time of a status read defensively (a status is any JSON): None unless it
+    parses, with its zone."""
+    try:
+        parsed = conditions.parse_time(str(value or "")[:64])
+    except ValueError:
+        return None
+    return parsed if parsed is not None and parsed.tzinfo is not None else None
+
+
 def _last_exit(container: dict[str, Any]) -> LastExit | None:
     """``lastState.terminated`` of the trainer container, read defensively (a status is any JSON)."""
     last = container.get("lastState")
@@ -217,10 +243,7 @@ def _last_exit(container: dict[str, Any]) -> LastExit | None:
     if isinstance(code, bool) or not isinstance(code, int):
         return None
     signal = terminated.get("signal")
-    try:
-        finished = conditions.parse_time(str(terminated.get("finishedAt") or "")[:64])
-    except ValueError:
-        finished = None
+    finished = _time(terminated.get("finishedAt"))
     return LastExit(
         exit_code=code,
         reason=_text(terminated.get("reason")),
@@ -262,3 +285,17 @@ def undeleted(pods: Sequence[PodState]) -> tuple[str, ...]:
 def all_running(pods: Sequence[PodState]) -> bool:
     """Whether every pod is released and Running (or already Succeeded)."""
     return all(not p.gated and p.phase in ("Running", "Succeeded") for p in pods)
+
+
+def disruption_target(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The pod's ``DisruptionTarget`` condition when True: the control plane or its node ends it
+    (eviction, preemption, the taint manager, PodGC)."""
+    found = (pod.get("status") or {}).get("conditions") or []
+    return next(
+        (
+            c
+            for c in found[: container_reasons.MAX_CONDITIONS]
+            if c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+        ),
+        None,
+    )

@@ -55,6 +55,9 @@ class Situation:
     node_labels: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
     """Labels of the nodes the job's pods are on or planned on (a node not here is not judged
     against Kueue TAS's assignment)."""
+    store_loss: pod_failure.Failure | None = None
+    """The placed gang's rendezvous store pod lost (``store_pod.loss``; None: it serves, or the
+    job has none)."""
     _facts: dict[Callable[[Situation], Any], Any] = dataclasses.field(
         default_factory=dict, compare=False, repr=False
     )
@@ -147,9 +150,20 @@ class Situation:
 
     @functools.cached_property
     def failures(self) -> tuple[pod_failure.Failure, ...]:
-        """The failed pods of the gang; without any, a pod missing from the released gang."""
+        """The failed pods of the gang; without any, a pod missing from the released gang; the
+        store pod's loss first."""
         placement = self.job.status.get("placement") or []
-        return pod_failure.of_gang(self.current, self.missing, placement, self.nodes_gone, self.now)
+        found = pod_failure.of_gang(
+            self.current, self.missing, placement, self.nodes_gone, self.now
+        )
+        if any(p.left_bad_gpu for p in self.current):
+            # the ranks that gave up (75) followed the pod that left a bad GPU (with the store,
+            # when pod 0 hosted it): that pod's loss is the cause
+            found = tuple(f for f in found if not f.gave_up)
+        if self.store_loss is None or any(p.phase == "Succeeded" for p in self.current):
+            return found  # a rank finished: the store may go with its finished gang
+        # the ranks that gave up (75) lost the store with it: the store's loss is the cause
+        return (self.store_loss, *(f for f in found if not f.gave_up))
 
     @functools.cached_property
     def gang_running(self) -> bool:

@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import run_policy as api_run_policy
 from meshtrain.api.spec import status as api_status
-from meshtrain.operator.policy import conditions, job_actions, pod_state, running, situation
+from meshtrain.operator.policy import (
+    conditions,
+    excluded_nodes,
+    job_actions,
+    pod_state,
+    running,
+    situation,
+)
 
 REASON = "Straggler"
 """``excludedNodes[].reason`` of a replaced straggler's node."""
@@ -94,34 +100,6 @@ def observed(
     return {"straggler": entry}
 
 
-EXCLUSION_SECONDS = 24 * 3600
-"""How long a replaced straggler's node stays excluded for the job: a throttling GPU
-is usually repaired (or the node drained) within a day, and a long job must not lose nodes for good."""
-
-
-def excluded(status: Mapping[str, Any], now: datetime.datetime) -> frozenset[str]:
-    """Nodes this job is not placed on now: excluded less than :data:`EXCLUSION_SECONDS` ago.
-
-    An entry without a readable ``time`` stays excluded.  Expired entries stay in
-    ``status.excludedNodes`` as the record of the replacement.
-    """
-    return frozenset(returns_in(status, now))
-
-
-def returns_in(status: Mapping[str, Any], now: datetime.datetime) -> dict[str, float]:
-    """Seconds until each node excluded at ``now`` may take the job's pods again (``math.inf``:
-    an entry without a readable ``time``, excluded for good)."""
-    left: dict[str, float] = {}
-    for entry in status.get("excludedNodes") or []:
-        if not isinstance(entry, Mapping) or not isinstance(entry.get("node"), str):
-            continue
-        since = conditions.parse_time(entry.get("time"))
-        remaining = math.inf if since is None else EXCLUSION_SECONDS - (now - since).total_seconds()
-        if remaining > 0:
-            left[entry["node"]] = max(remaining, left.get(entry["node"], 0.0))
-    return left
-
-
 def _of_this_gang(straggler: Any, status: Mapping[str, Any]) -> bool:
     """Whether ``straggler`` was measured on the placed gang: its pod is on the node it names.
 
@@ -158,7 +136,7 @@ def _nodes_to_leave(
     """The flagged ranks' nodes to exclude in one rebuild (node -> rank entry), slowest first: not
     already excluded, not a rank a replacement already moved, at most ``room`` (at least the
     slowest's)."""
-    gone = excluded(status, now)
+    gone = excluded_nodes.excluded(status, now)
     others = [o for o in straggler.get("others") or [] if isinstance(o, Mapping)]
     chosen: dict[str, Mapping[str, Any]] = {straggler["node"]: straggler}
     for item in others:
@@ -267,7 +245,9 @@ def react(
     replacements = int(status.get("stragglerReplacements") or 0)
     left_out = max(replacements, len(_replaced_before(status, None, any_rank=True)))
     replace = (
-        policy.action == "replace" and isinstance(node, str) and node not in excluded(status, now)
+        policy.action == "replace"
+        and isinstance(node, str)
+        and node not in excluded_nodes.excluded(status, now)
     )
     moved_from = _replaced_before(status, straggler.get("rank"))
     if replace and moved_from:
@@ -332,7 +312,7 @@ def _replacement(
         "phase": api_status.Phase.RESTARTING.value,
         "placement": [],
         "straggler": None,
-        "excludedNodes": [*(status.get("excludedNodes") or []), *entries],
+        "excludedNodes": [*(status.get("excludedNodes") or []), *entries],  # maxReplacements bounds
         "stragglerReplacements": replacements + 1,
         "conditions": updated,
     }

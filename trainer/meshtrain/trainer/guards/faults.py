@@ -2,10 +2,14 @@
 
 ``MESHTRAIN_FAULT_INJECT=rank:step`` kills that rank before that step (exit :data:`EXIT_CODE`, no
 cleanup), as a crashed GPU would; ``rank:step:kill`` sends it SIGKILL instead, as the kernel's OOM
-killer would.  A supervised worker fails so only in generation 0: the spare that takes its rank
-replays the step.  ``MESHTRAIN_FAULT_SLOW=rank:factor[:step]`` makes that rank's
-compute about ``factor`` times as long, as a throttled GPU would: the straggler detector's test
-input.  Its sleeps sit in a forward hook, so they count as compute, not as waiting.
+killer would; ``rank:step:hang`` blocks it in a receive no rank ever sends to, as a GPU or link
+that stopped would block its collective (its peers then block in theirs; only an abort of the
+process groups frees them).  A supervised worker fails so only in generation 0: the spare that
+takes its rank, or the same process in the next round, replays the step.  ``rank:step:device``
+raises an uncorrectable ECC error there in every generation, as a GPU gone bad would: its
+supervisor takes the GPU for bad at the second (:mod:`meshtrain.trainer.recovery.device_fault`).
+``MESHTRAIN_FAULT_SLOW=rank:factor[:step]`` makes that rank's compute about ``factor`` times as
+long, as a throttled GPU would: the straggler detector's test input.  Its sleeps sit in a forward hook, so they count as compute, not as waiting.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 ENV = "MESHTRAIN_FAULT_INJECT"
 EXIT_CODE = 17
@@ -28,25 +33,44 @@ OWN_COMPUTE_STEPS = 5
 """Steps of this rank's own compute whose median sizes the injected sleep."""
 
 
+MODES = ("kill", "hang", "device")
+"""What ``rank:step:MODE`` does instead of exiting with :data:`EXIT_CODE`."""
+DEVICE_ERROR_TEXT = "CUDA error: uncorrectable ECC error encountered (injected)"
+"""What a ``:device`` fault raises: torch's words for a GPU whose memory failed."""
+HANG_TAG = 7919
+"""The tag of the hung rank's receive: no send of the trainer's own uses it."""
+
+
 def parse(value: str | None) -> tuple[int, int] | None:
-    """``"3:2"`` -> (rank 3, step 2); empty -> None (``"3:2:kill"`` too)."""
+    """``"3:2"`` -> (rank 3, step 2); empty -> None; a mode after the step (``"3:2:kill"``,
+    ``"3:2:hang"``, ``"3:2:device"``) parses the same."""
     if not value:
         return None
     parts = value.split(":")
     try:
-        if len(parts) == 3 and parts[2] == "kill":
+        if len(parts) == 3 and parts[2] in MODES:
             parts = parts[:2]
         rank, step = (int(part) for part in parts)
     except ValueError:
-        raise ValueError(f"{ENV}={value!r}: expected RANK:STEP[:kill], e.g. 3:2") from None
+        raise ValueError(
+            f"{ENV}={value!r}: expected RANK:STEP[:kill|:hang|:device], e.g. 3:2"
+        ) from None
     return rank, step
 
 
 def maybe_fail(rank: int, step: int, generation: int = 0) -> None:
-    """Die here if the fault-injection variable says so (only in ``generation`` 0)."""
+    """Die here if the fault-injection variable says so (only in ``generation`` 0; a ``:device``
+    fault in every generation)."""
     value = os.environ.get(ENV)
     target = parse(value)
+    if target == (rank, step) and value and value.endswith(":device"):
+        sys.stderr.write(f"{ENV}: rank {rank} meets a GPU error before step {step}\n")
+        sys.stderr.flush()
+        raise RuntimeError(DEVICE_ERROR_TEXT)
     if target == (rank, step) and generation == 0:
+        if value and value.endswith(":hang"):
+            _hang(rank, step)
+            return
         kill = bool(value and value.endswith(":kill"))
         sys.stderr.write(
             f"{ENV}: rank {rank} dies before step {step} "
@@ -56,6 +80,21 @@ def maybe_fail(rank: int, step: int, generation: int = 0) -> None:
         if kill:
             os.kill(os.getpid(), signal.SIGKILL)
         os._exit(EXIT_CODE)
+
+
+def _hang(rank: int, step: int) -> None:
+    """Block in a receive from a peer that never sends (until the process groups are aborted,
+    or the process-group timeout)."""
+    sys.stderr.write(f"{ENV}: rank {rank} hangs before step {step} (pid {os.getpid()})\n")
+    sys.stderr.flush()
+    peer = (rank + 1) % dist.get_world_size()
+    on_gpu = "nccl" in str(dist.get_backend()).lower() and torch.cuda.is_available()
+    # NCCL takes device tensors and matches no tags (a real send of that peer may be taken: the
+    # rank then hangs in its next collective instead); unmeasured, a lent machine has one GPU
+    buffer = torch.empty(1, device=torch.cuda.current_device() if on_gpu else "cpu")
+    dist.recv(buffer, src=peer, tag=HANG_TAG)
+    if on_gpu:
+        torch.cuda.synchronize()  # NCCL's receive returns at once: its kernel is what waits
 
 
 def parse_slow(value: str | None) -> tuple[int, float, int] | None:

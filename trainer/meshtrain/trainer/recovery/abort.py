@@ -5,10 +5,14 @@ peer's process exits), so :class:`GlooSockets` shuts down the TCP sockets gloo o
 read fails in milliseconds and the collective raises.  It knows them positively: the established
 TCP sockets that appeared across each group creation (``init_process_group``, ``new_group`` and
 the subgroups: :func:`install` wraps torch's ``_new_process_group_helper``; the main thread
-creates groups) whose remote address is a gang peer (the hosts the ranks published) and which is
-not the rendezvous store's connection.  A connection another thread opened meanwhile to anything
-else (the object store's HTTP pool, the metrics server's clients) is left alone, and a descriptor
-is re-checked by inode after ``os.dup`` so that a reused fd number is never shut down.
+creates groups) whose two ports are ones the kernel hands out (:func:`ephemeral_ports`) and which
+is not the rendezvous store's connection.  Gloo listens on a port the kernel picks, so both ends
+of each of its pairs are such ports whichever side connected; a connection another thread opened
+meanwhile to a service (the object store's HTTP pool, a tracker) reaches a fixed port and is left
+alone, as are clients of this process's own servers (the metrics port is also kept).  Nothing is exchanged through the
+store for this: a rank used to publish its address and read every rank's, each round, which is
+O(world^2) store reads.  A descriptor is re-checked by inode after ``os.dup`` so that a reused fd
+number is never shut down.
 
 NCCL communicators abort through torch's ``_abort_process_group``, which torch 2.15 documents for
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (the supervisor sets it): the watchdog must not tear the
@@ -41,6 +45,9 @@ MAX_PROC_BYTES = 8 << 20
 MAX_FDS = 65536
 """Most descriptors looked at."""
 ESTABLISHED = "01"
+PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LINUX_EPHEMERAL = range(32768, 61000)
+"""Linux's default ``ip_local_port_range`` (32768-60999)."""
 NCCL_ABORT_S = 30.0
 """How long the NCCL abort may take before the process ends itself."""
 ABORT_STUCK = 70
@@ -111,9 +118,27 @@ def connections() -> dict[int, Connection]:
     return found
 
 
-def is_peer(address: str, peers: Collection[str]) -> bool:
-    """Whether ``address`` is a gang peer's (any address when the peers are unknown)."""
-    return not peers or address in peers or ipaddress.ip_address(address).is_loopback
+def ephemeral_ports(path: Path = PORT_RANGE) -> range:
+    """The ports the kernel picks for a socket bound to port 0 (this network namespace's
+    ``ip_local_port_range``; Linux's default when it cannot be read)."""
+    try:
+        low, high = (int(v) for v in path.read_text()[:64].split()[:2])
+    except (OSError, ValueError):
+        return LINUX_EPHEMERAL
+    return range(low, high + 1) if 0 < low <= high <= 65535 else LINUX_EPHEMERAL
+
+
+def may_be_gloo(conn: Connection, ephemeral: range) -> bool:
+    """Whether ``conn`` can be one of gloo's pairs: both ends are ports the kernel picked (a
+    listener's or a connecting socket's); a client of a service reaches a fixed port, and a client
+    of this process's own server (a probe, a scrape) came in on one.
+
+    A peer whose pod narrowed its own range differently may be missed; its collective then ends
+    at the process-group timeout rather than at once.  A range widened to well-known ports
+    (``1024 65535``) takes a service connection opened during a group's creation for gloo's: it
+    is then shut down with the groups, and its client reconnects.
+    """
+    return conn.remote_port in ephemeral and conn.local_port in ephemeral
 
 
 class GlooSockets:
@@ -124,8 +149,8 @@ class GlooSockets:
         """The rendezvous store's port: connections to it are never touched."""
         self.kept_ports = frozenset(kept_ports)
         """Local ports whose connections are never touched (this rank's metrics server)."""
-        self.peers: frozenset[str] = frozenset()
-        """The gang's addresses (empty: unknown, any remote address qualifies)."""
+        self.ephemeral = ephemeral_ports()
+        """The ports the kernel hands out here (gloo's listeners' and its connecting ends')."""
         self.inodes: set[int] = set()
         """The sockets found so far."""
 
@@ -142,7 +167,7 @@ class GlooSockets:
                     conn = found.get(inode)
                     if conn is None or self.store_port in (conn.remote_port, conn.local_port):
                         continue
-                    if conn.local_port in self.kept_ports or not is_peer(conn.remote, self.peers):
+                    if conn.local_port in self.kept_ports or not may_be_gloo(conn, self.ephemeral):
                         continue
                     self.inodes.add(inode)
 

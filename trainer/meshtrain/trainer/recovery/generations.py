@@ -20,7 +20,6 @@ import datetime
 import gc
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -33,7 +32,7 @@ from torch._C import _distributed_c10d as c10d
 
 from meshtrain.api import exitcodes
 from meshtrain.trainer.parallel import mesh as mesh_mod
-from meshtrain.trainer.recovery import abort, rendezvous
+from meshtrain.trainer.recovery import abort, device_fault, rendezvous
 from meshtrain.trainer.telemetry import goodput, goodput_live, recoveries
 from meshtrain.trainer.telemetry import progress as progress_mod
 from meshtrain.trainer.telemetry.recorder import TelemetryRecorder
@@ -122,6 +121,7 @@ class Watcher(threading.Thread):
         *,
         backend: str,
         incarnation: rendezvous.Incarnation,
+        full_read_s: float = rendezvous.FULL_READ_S,
     ) -> None:
         super().__init__(name=f"generation-watcher-{generation}", daemon=True)
         self.store = store.clone()  # its own connection: the main thread may hold the other
@@ -130,23 +130,29 @@ class Watcher(threading.Thread):
         self.sockets = sockets
         self.backend = backend
         self.incarnation = incarnation
+        self.full_read_s = full_read_s
         self.fired = threading.Event()
         """Set once the groups were aborted."""
         self.store_lost = False
         self.superseded = False
         self.errors = StoreErrors()
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.wait(WATCH_S):
+        gate = rendezvous.ChangeGate(self.store, self.full_read_s)
+        while not self._stopping.wait(WATCH_S):
             try:
+                if not gate.moved():
+                    self.errors.ok()
+                    continue
                 moved = (
                     rendezvous.generation(self.store) != self.generation
                     or rendezvous.halted(self.store) is not None
                 )
                 self.superseded = rendezvous.superseded(self.store, self.incarnation)
                 self.errors.ok()
-            except Exception:  # noqa: BLE001 - any store error: pod 0 may be gone
+            except Exception:  # noqa: BLE001 - any store error: the store's host may be gone
+                gate.forget()
                 moved = self.store_lost = self.errors.failed()
             if moved or self.superseded:
                 self.fired.set()
@@ -154,7 +160,7 @@ class Watcher(threading.Thread):
                 return
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
 
 
 class StoreErrors:
@@ -245,11 +251,18 @@ class Session:
         """Past the final barrier: rank 0 tells the supervisors (the store may go away now)."""
         if self.rank == 0:
             with contextlib.suppress(Exception):  # finished either way
-                self.store.set(rendezvous.FINISHED, "1")
+                rendezvous.finish(self.store)
+
+    def progressed(self, what: str) -> None:
+        """Rank 0 made progress (``what``: ``built``, ``restored``, a step, ``finishing``): the
+        store's host restarts its stall clock (:mod:`.stall`)."""
+        if self.rank == 0:
+            rendezvous.mark_progress(self.store, self.generation, what)
 
     def restored(self, step: int | None, source: str) -> None:
         """The state was loaded (``step`` None: from scratch)."""
         self.restored_at, self.resumed_step, self.source = time.time(), step or 0, source
+        self.progressed("restored")
         if self.rank != 0 or self.generation == 0:
             return
         self.record = self._record()
@@ -279,6 +292,7 @@ class Session:
         if self.rank != 0:
             return
         self.store.set(rendezvous.STEP, str(step))
+        self.progressed(str(step))
         if self.generation == 0 or self.recorded:
             return
         self.recorded = True
@@ -313,7 +327,7 @@ def run(
     stopped: Callable[[], bool] = lambda: False,
 ) -> int:
     """Run ``body`` once per generation until it returns an exit code (see the module); 75 when
-    the store is gone (pod 0 was lost: the gang is rebuilt), :data:`rendezvous.SUPERSEDED` when a
+    the store is gone (its host was lost: the gang is rebuilt), :data:`rendezvous.SUPERSEDED` when a
     newer incarnation of this pod runs, ``STOPPED`` when a stop came during a rejoin."""
     try:
         return _generations(
@@ -384,7 +398,6 @@ def _generations(
             return code
         _say(f"joined generation {generation}")
         previous = int(store.get(rendezvous.STEP)) if store.check([rendezvous.STEP]) else 0
-        sockets.peers = _peers(store, generation, rank, world)
         with abort.GROUPS:
             dist.init_process_group(
                 backend=backend,
@@ -412,6 +425,8 @@ def _generations(
             if watcher.store_lost:
                 _say("the rendezvous store is gone; leaving for a gang rebuild")
                 return exitcodes.GANG_RESTART
+            if device_fault.is_device_error(err):
+                raise  # the GPU failed under this rank (NCCL says so too): this process never rejoins
             if not watcher.fired.is_set() and not session.interrupted():
                 if not isinstance(err, Interrupted) and not communication_error(err):
                     raise  # this rank's own failure: its supervisor replaces the process
@@ -426,23 +441,6 @@ def _generations(
             watcher.stop()
             session.close()
             _teardown(sockets)
-
-
-def _peers(store: c10d.TCPStore, generation: int, rank: int, world: int) -> frozenset[str]:
-    """Publish this rank's address for round ``generation`` and read the gang's (gloo's peers)."""
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
-        return frozenset()  # gloo binds an interface's address: any peer address qualifies
-    try:
-        host = socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return frozenset()
-    store.set(f"rdzv/g{generation}/host{rank}", host)
-    keys = [f"rdzv/g{generation}/host{r}" for r in range(world)]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=STORE_TIMEOUT_S))
-        return frozenset(v[:64].decode("ascii", "replace") for v in store.multi_get(keys))
-    except RuntimeError:  # a rank left meanwhile: its group will fail, any address qualifies
-        return frozenset()
 
 
 def communication_error(err: BaseException) -> bool:

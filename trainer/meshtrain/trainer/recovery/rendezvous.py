@@ -1,7 +1,7 @@
 """The rendezvous protocol on the job's TCPStore: generations, failure reports, joins, the halt code.
 
-Pod 0's supervisor hosts a ``torch.distributed.TCPStore`` on ``MASTER_PORT``; supervisors and
-workers are its clients.  Keys (all under ``rdzv/``; a process group of generation ``g`` keeps its
+Pod 0's supervisor hosts a ``torch.distributed.TCPStore`` on ``MASTER_PORT``, or the store pod
+does (``rendezvousStore: dedicated``, :mod:`.store_host`); supervisors and workers are its clients.  Keys (all under ``rdzv/``; a process group of generation ``g`` keeps its
 own under ``g{g}/``):
 
 - ``generation``: the current round, ``"{n}"`` or ``"{n}:{token}"``.  A round is started by one
@@ -22,16 +22,21 @@ own under ``g{g}/``):
   and leaves with :data:`SUPERSEDED`.  With ``MESHTRAIN_POD_UID``, ``pod{p}/uid`` names the pod
   holding node rank ``p`` and ``fenced/{uid}`` the pods it replaced: a replaced pod that comes
   back takes no new incarnation.
-- ``inplace``: in-place recoveries of this gang attempt (the store lives as long as pod 0's
-  supervisor, i.e. one gang attempt); past ``inPlaceLimit`` the claimant halts the gang instead.
+- ``inplace``: in-place recoveries of this gang attempt (the store lives as long as its host,
+  i.e. one gang attempt); past ``inPlaceLimit`` the claimant halts the gang instead.
   ``inplaceAt`` (unix time of the last): after ``STEADY_RUNNING_SECONDS`` with none the count
   starts again, as the operator's does.
 - ``halt``: an exit code every supervisor and worker leaves with (first writer wins).
 - ``step``: the newest step global rank 0 completed (a recovery's lost steps).
+- ``progress``: global rank 0's progress mark (``{round}:{what}``, set at its restore and each
+  step): the store's host takes a round whose mark stops moving for hung (:mod:`.stall`).
 - ``count/{tier}``: in-place recoveries of each tier this store has seen (each round once, by
   ``r{n}/counted``): the progress report carries them so that the operator misses none, whatever
   rank 0's process or the report's few newest records saw.
 - ``finished``: rank 0 passed the final barrier (losing the store after it is not a failure).
+- ``changes``: a counter bumped after each write the pollers must see (a new round, the halt, a
+  new incarnation, ``finished``): every rank's watcher and every supervisor reads this one key
+  each poll, and the keys it stands for only when it moved (:class:`ChangeGate`).
 - ``pod{p}/hb``, ``done``: supervisors' liveness and finish.
 """
 
@@ -55,6 +60,11 @@ HALT = "rdzv/halt"
 IN_PLACE = "rdzv/inplace"
 IN_PLACE_AT = "rdzv/inplaceAt"
 STEP = "rdzv/step"
+PROGRESS = "rdzv/progress"
+CHANGES = "rdzv/changes"
+FULL_READ_S = 2.0
+"""Longest time a :class:`ChangeGate` trusts an unmoved counter: a writer that died between its
+write and its bump is noticed this late, never missed."""
 DONE = "rdzv/done"
 FINISHED = "rdzv/finished"
 SUPERSEDED = exitcodes.FENCED
@@ -110,8 +120,15 @@ class Failure:
             return None
 
 
+def left_key(pod: int) -> str:
+    """Set by pod ``pod``'s supervisor when it finished or saw the gang halted (never when it was
+    stopped alone or fenced off: its slot waits for a replacement)."""
+    return f"rdzv/pod{pod}/left"
+
+
 def connect(host: str, port: int, *, master: bool, timeout_s: float) -> c10d.TCPStore:
-    """The job's store: hosted here when ``master`` (pod 0's supervisor), else a client of it."""
+    """The job's store: hosted here when ``master`` (its host: pod 0's supervisor or the store
+    pod), else a client of it."""
     return c10d.TCPStore(
         host,
         port,
@@ -176,9 +193,10 @@ def take_incarnation(
     replaced pod came back: it must leave, not supersede its replacement)."""
     if not claim_slot(store, pod, uid):
         return None
-    store.delete_key(f"rdzv/pod{pod}/left")  # a replacement is not done: pod 0 watches it again
+    store.delete_key(left_key(pod))  # a replacement is not done: the store's host watches it again
     taken = Incarnation(pod, store.add(f"rdzv/pod{pod}/incarnation", 1), identity)
     store.set(f"rdzv/pod{pod}/holder", taken.dumps())
+    _changed(store)  # the older incarnation's pollers must see it
     return taken
 
 
@@ -195,7 +213,63 @@ def halted(store: c10d.Store) -> int | None:
 
 def halt(store: c10d.Store, code: int) -> int:
     """Tell every supervisor and worker to leave with ``code`` (the first code set stays); the code in force."""
-    return int(store.compare_set(HALT, "", str(code))[:32])
+    in_force = int(store.compare_set(HALT, "", str(code))[:32])
+    _changed(store)
+    return in_force
+
+
+def finish(store: c10d.Store) -> None:
+    """Rank 0 passed the final barrier: the supervisors may lose the store from now on."""
+    store.set(FINISHED, "1")
+    _changed(store)
+
+
+def changes(store: c10d.Store) -> int:
+    """The change counter (:data:`CHANGES`): one request."""
+    return int(store.add(CHANGES, 0))
+
+
+def _changed(store: c10d.Store) -> None:
+    """After a write the pollers must see: bump the counter they read."""
+    store.add(CHANGES, 1)
+
+
+class ChangeGate:
+    """Whether a poller's keys may have moved since it last read them, from one read of
+    :data:`CHANGES`: before it, a watcher read every key each poll (25 requests a second per
+    rank, on the one store every rank of the gang shares).
+
+    The counter is read before the keys and bumped after them, so a change is never missed: a
+    poll that reads the counter before a bump reads the keys again at the next one."""
+
+    def __init__(self, store: c10d.Store, full_read_s: float = FULL_READ_S) -> None:
+        self.store = store
+        self.full_read_s = full_read_s
+        self.seen: int | None = None
+        self.read_at = 0.0
+
+    def moved(self, now: float | None = None) -> bool:
+        """Whether to read the keys now (the counter moved, or :data:`FULL_READ_S` passed)."""
+        now = time.monotonic() if now is None else now
+        count = changes(self.store)
+        if count == self.seen and now - self.read_at < self.full_read_s:
+            return False
+        self.seen, self.read_at = count, now
+        return True
+
+    def forget(self) -> None:
+        """The keys' read failed: read them again at the next poll."""
+        self.seen = None
+
+
+def formed(store: c10d.Store, round_: int, world: int) -> bool:
+    """Whether all ``world`` ranks joined round ``round_`` (it runs, or is building its groups)."""
+    return _int(store, f"rdzv/g{round_}/joined", 0) >= world
+
+
+def mark_progress(store: c10d.Store, round_: int, what: str) -> None:
+    """Global rank 0 made progress in round ``round_`` (``what``: ``restored``, a step)."""
+    store.set(PROGRESS, f"{round_}:{what}")
 
 
 def joined_generation(store: c10d.Store, rank: int) -> int:
@@ -282,9 +356,13 @@ def start_round(
     claim = f"{nxt}:{token or uuid.uuid4().hex}"
     if store.compare_set(GENERATION, raw.decode("ascii", "replace"), claim) != claim.encode():
         return False
+    _changed(store)  # every watcher aborts its groups
     now = time.time()
-    if _quiet(store, now):
-        store.set(IN_PLACE, "0")  # a quiet gang: its budget starts again
+    # A gang that ran steadily up to the failure starts its budget again.  Measured to the
+    # failure, not to now: a stall's failure is rank 0's last progress, so a gang that keeps
+    # hanging (silent for the whole stall timeout each time) uses its budget up.
+    if _quiet(store, min(failure.failed_at, now)):
+        store.set(IN_PLACE, "0")
     store.set(IN_PLACE_AT, repr(now))
     store.set(f"rdzv/r{nxt}/detectedAt", repr(time.time()))
     if store.add(IN_PLACE, 1) > limit:

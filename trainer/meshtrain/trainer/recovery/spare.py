@@ -1,16 +1,22 @@
 """``python -m meshtrain.trainer.recovery.spare``: a warm process that becomes a rank's worker.
 
 Imports torch and the trainer's heavy modules first, then waits on stdin for its assignment
-(:func:`.spares.assign`) and runs :func:`meshtrain.trainer.worker.main` as that rank.
+(:func:`.spares.assign`) and runs :func:`meshtrain.trainer.worker.main` as that rank.  A GPU
+failing under the rank ends it with :data:`exitcodes.DEVICE_ERROR` (:mod:`.device_fault`), which
+its supervisor counts against that GPU.
 """
 
 from __future__ import annotations
 
+import sys
+import traceback
+
 import torch
 
+from meshtrain.api import exitcodes
 from meshtrain.trainer import worker
 from meshtrain.trainer.parallel import mesh
-from meshtrain.trainer.recovery import spares
+from meshtrain.trainer.recovery import device_fault, spares
 
 
 def main() -> int:
@@ -20,7 +26,18 @@ def main() -> int:
         return 0
     env, argv = assignment
     spares.become(env)
-    return worker.main(argv)
+    try:
+        return worker.main(argv)
+    except RuntimeError as err:
+        if not device_fault.is_device_error(err):
+            raise
+        traceback.print_exc()
+        print(
+            f"meshtrain worker: the GPU failed under this rank: exit {exitcodes.DEVICE_ERROR}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return exitcodes.DEVICE_ERROR
 
 
 if __name__ == "__main__":

@@ -77,6 +77,21 @@ class Context:
         part.write_text(json.dumps(record, sort_keys=True) + "\n", encoding="utf-8")
         part.replace(folder / f"{tracker}.json")
 
+    def start_line(self) -> dict[str, Any]:
+        """The first line the trackers' process reads (:func:`.child.context_of` reads it back): the
+        job and where its files go.  Here, not in :mod:`.child`, so that the ranks need not import
+        the child's run report and its plotting library."""
+        return {
+            "spec": self.spec_document(),
+            "namespace": self.namespace,
+            "name": self.name,
+            "home": str(self.home) if self.home is not None else None,
+            "first_step": self.first_step,
+            "log_dir": str(self.log_dir) if self.log_dir is not None else None,
+            "device_name": self.device_name,
+            "local": self.local,
+        }
+
     def spec_document(self) -> dict[str, Any]:
         """The spec as YAML writes it (camelCase, defaults included, nulls dropped)."""
         return self.job.model_dump(by_alias=True, exclude_none=True, mode="json")

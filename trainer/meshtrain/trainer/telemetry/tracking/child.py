@@ -1,6 +1,6 @@
 """The trackers' own process: ``python -m meshtrain.trainer.telemetry.tracking.child``.
 
-Rank 0 starts it and writes JSON lines to its stdin: first the job (:func:`start_line`), then one
+Rank 0 starts it and writes JSON lines to its stdin: first the job (:meth:`.backend.Context.start_line`), then one
 line per step, then the end.  Here each tracker runs on a thread of its own (:mod:`.runner`), and
 the run report is drawn at the end; so their imports, their network calls and the report's
 drawing never take the trainer's interpreter lock.  Warnings go to stderr, rank 0's log.
@@ -32,22 +32,8 @@ MAX_LINE = 1_048_576
 """Longest line read from the trainer (a spec is a few KiB, a step record less)."""
 
 
-def start_line(context: backend.Context) -> dict[str, Any]:
-    """The first line: the job and where its files go."""
-    return {
-        "spec": context.spec_document(),
-        "namespace": context.namespace,
-        "name": context.name,
-        "home": str(context.home) if context.home is not None else None,
-        "first_step": context.first_step,
-        "log_dir": str(context.log_dir) if context.log_dir is not None else None,
-        "device_name": context.device_name,
-        "local": context.local,
-    }
-
-
 def context_of(line: dict[str, Any]) -> backend.Context:
-    """The :class:`backend.Context` a :func:`start_line` describes."""
+    """The :class:`backend.Context` a :meth:`backend.Context.start_line` describes."""
     return backend.Context(
         job=loading.parse_spec(line["spec"]),
         namespace=str(line["namespace"]),

@@ -21,7 +21,7 @@ from typing import IO, Any
 from meshtrain.api import job_dir
 from meshtrain.api import spec as api_spec
 from meshtrain.trainer.telemetry import steplog
-from meshtrain.trainer.telemetry.tracking import backend, child, runner
+from meshtrain.trainer.telemetry.tracking import backend, runner
 
 CHILD_MODULE = "meshtrain.trainer.telemetry.tracking.child"
 POD_ENV = "KUBERNETES_SERVICE_HOST"
@@ -73,7 +73,7 @@ class TrackedLog:
             start_new_session=True,  # Ctrl-C reaches the ranks, not this: stdin's end stops it
             encoding="utf-8",
         )
-        self._lines.put_nowait(json.dumps(child.start_line(context)))
+        self._lines.put_nowait(json.dumps(context.start_line()))
         self._writer = threading.Thread(
             target=self._write_lines,
             args=(self._process.stdin,),

@@ -1,0 +1,56 @@
+"""A pod that left a bad GPU: its node is excluded from the job at once, whatever follows.
+
+A supervisor whose GPU failed twice within an hour exits ``DEVICE_SUSPECT`` (79,
+``meshtrain.trainer.recovery.device_fault``; ``PodState.left_bad_gpu``).  The pod is lost by its
+node: the pod tier replaces it alone elsewhere (``pod_loss``), or the gang is rebuilt
+(``failure``), a disruption either way.  Both write the node into ``status.excludedNodes``
+(:func:`excluded_after`), so that no later placement of the job (a rebuild after the
+replacement found no room, the next attempt, a resize) goes back to it before
+``excluded_nodes.EXCLUSION_SECONDS`` have passed.  Pure.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from meshtrain.operator.policy import (
+    conditions,
+    excluded_nodes,
+    pod_failure,
+    pod_state,
+)
+
+REASON = conditions.BAD_GPU
+"""``excludedNodes[].reason`` of a node a pod left for a bad GPU."""
+
+
+def excluded_after(
+    status: Mapping[str, Any], pods: Sequence[pod_state.PodState], now: datetime.datetime
+) -> list[Any] | None:
+    """``status.excludedNodes`` with the node of every pod of ``pods`` that left a bad GPU and is
+    not excluded for it yet; None when there is none (written once, however many passes see the
+    pod)."""
+    # an exclusion of another reason may run out sooner: this one gets its own entry
+    excluded = excluded_nodes.excluded(excluded_nodes.of_reason(status, REASON), now)
+    added: dict[str, dict[str, Any]] = {}
+    for pod in pods:
+        if pod.left_bad_gpu and pod.node and pod.node not in excluded and pod.node not in added:
+            added[pod.node] = {
+                "node": pod.node,
+                "reason": REASON,
+                "message": f"pod {pod.name}: {pod_failure.bad_gpu_said(pod)}",
+                "time": conditions.timestamp(now),
+            }
+    if not added:
+        return None
+    return excluded_nodes.excluded_after(status, list(added.values()), REASON)
+
+
+def describe(pods: Sequence[pod_state.PodState]) -> str:
+    """``; node(s) n1 excluded: a GPU failed twice there`` for the pods that left a bad GPU."""
+    nodes = sorted({p.node for p in pods if p.left_bad_gpu and p.node})
+    if not nodes:
+        return ""
+    return f"; node(s) {', '.join(nodes)} excluded: a GPU failed twice there"

@@ -1,0 +1,53 @@
+"""A GPU that keeps failing: which errors are the device's, and when a pod takes its GPU for bad.
+
+A rank whose GPU fails under it raises a CUDA error through torch (``torch.AcceleratorError``, or
+a ``RuntimeError`` in older releases and from NCCL).  Only the texts of :data:`HARDWARE_MARKS`
+count as the device's: an uncorrectable ECC or NVLink error, the GPU gone from the bus.  An
+illegal address, a device-side assert, running out of memory or a cuBLAS refusal are the
+program's as often as not (a GPU the pod cannot see is its configuration's), and a replayed step
+repeats a deterministic bug on any node, so they never send a pod away.  Such an error leaves the
+CUDA context unusable (it is sticky), so the rank's process ends with
+:data:`exitcodes.DEVICE_ERROR` and its supervisor recovers it in place like any failure.  The same
+local rank, so the same GPU, failing so again within :data:`SUSPECT_WINDOW_S` is a bad device or
+node (a healthy GPU does so about once in months): its supervisor leaves with
+:data:`exitcodes.DEVICE_SUSPECT`, and the operator replaces the pod on another node, excluding
+this one.
+"""
+
+from __future__ import annotations
+
+SUSPECT_WINDOW_S = 3600.0
+"""Two device errors of one GPU within this long take it for bad."""
+HARDWARE_MARKS = (
+    "uncorrectable ecc error",
+    "uncorrectable nvlink error",
+    "gpu is lost",
+    "fallen off the bus",
+)
+"""Lower-case texts of the CUDA runtime's, NVML's and the driver's errors that only a failing
+device (or its node) causes: ``cudaErrorECCUncorrectable``, ``cudaErrorNvlinkUncorrectable``, and
+a GPU gone.  Not "hardware stack error" (a kernel's own stack overflow reads so), "unknown error"
+or "no CUDA-capable device" (a pod without its GPUs, a wrong runtime class, reads so on every
+node): each would send a healthy pod from node to node."""
+
+
+def is_device_error(err: BaseException) -> bool:
+    """Whether ``err`` says the GPU failed, not the program (see the module)."""
+    if not isinstance(err, RuntimeError):
+        return False
+    text = str(err).lower()
+    return any(mark in text for mark in HARDWARE_MARKS)
+
+
+class DeviceFailures:
+    """The newest device error of each local rank (each GPU) of one pod, on its supervisor's clock."""
+
+    def __init__(self, window_s: float = SUSPECT_WINDOW_S) -> None:
+        self.window_s = window_s
+        self.last: dict[int, float] = {}
+
+    def failed(self, local_rank: int, now: float) -> bool:
+        """Note a device error of ``local_rank``; whether its GPU is now taken for bad."""
+        before = self.last.get(local_rank)
+        self.last[local_rank] = now
+        return before is not None and now - before <= self.window_s
