@@ -10,6 +10,7 @@ import pytest
 
 from meshtrain.trainer import launch
 from meshtrain.trainer.guards import faults
+from meshtrain.trainer.recovery import device_fault
 from meshtrain.trainer.telemetry import steplog
 from tests.builders import JobBuilder
 
@@ -83,6 +84,21 @@ def test_fault_injection_variable():
     assert faults.parse("") is None
     with pytest.raises(ValueError, match="RANK:STEP"):
         faults.parse("three")
+
+
+def test_a_device_fault_kept_to_one_node_fails_only_a_pod_bound_there(monkeypatch):
+    """``MESHTRAIN_FAULT_NODE``: the sandbox's bad-GPU test fails rank 1 on one node only, so the
+    replacement the operator places on the other node runs clean."""
+    monkeypatch.setenv(faults.ENV, "1:3:device")
+    monkeypatch.setenv(faults.NODE_ENV, "gpu-b0-l0-n0")
+    monkeypatch.setenv("MESHTRAIN_NODE_NAME", "gpu-b0-l0-n1")
+    faults.maybe_fail(1, 3, generation=0)  # elsewhere: nothing
+    monkeypatch.setenv("MESHTRAIN_NODE_NAME", "gpu-b0-l0-n0")
+    faults.maybe_fail(1, 2, generation=0)  # another step: nothing
+    for generation in (0, 1):  # a device fault meets every generation of the rank
+        with pytest.raises(RuntimeError) as raised:
+            faults.maybe_fail(1, 3, generation=generation)
+        assert device_fault.is_device_error(raised.value), raised.value
 
 
 def test_step_log_tail_returns_only_new_complete_records(tmp_path):

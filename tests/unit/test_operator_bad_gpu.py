@@ -65,11 +65,16 @@ def _left(raw: dict[str, Any], index: int, phase: str = "Failed") -> pod_state.P
 def test_a_pod_that_left_a_bad_gpu_is_replaced_alone_and_its_node_excluded_at_once():
     raw = spec()
     decision = lifecycle.decide(job(raw, **three()), _gang(raw, p2=_left(raw, 2)), at(5))
-    assert kinds(decision) == ["SetStatus", "ReplacePods"], decision
+    assert kinds(decision) == ["SetStatus", "EmitOnNode", "ReplacePods"], decision
     [entry] = status_of(decision)["excludedNodes"]
     assert (entry["node"], entry["reason"]) == ("n2", bad_gpus.REASON)
     assert WHY in entry["message"], entry
-    replace = decision.actions[1]
+    # the node's administrator is told which rank's GPU, on the node itself
+    told = decision.actions[1]
+    assert isinstance(told, job_actions.EmitOnNode) and told.node == "n2"
+    assert (told.note.type, told.note.reason) == ("Warning", bad_gpus.REASON)
+    assert WHY in told.note.message, told
+    replace = decision.actions[2]
     assert isinstance(replace, job_actions.ReplacePods)
     assert replace.indices == (2,) and replace.avoid == ("n2",)
     assert replace.causes == ((2, "j-r0-2", "a GPU failed twice"),)
@@ -77,6 +82,7 @@ def test_a_pod_that_left_a_bad_gpu_is_replaced_alone_and_its_node_excluded_at_on
     fallback = status_of(job_actions.Decision(replace.otherwise))
     assert fallback["restarts"] == 1 and fallback["disruptionRestarts"] == 1, fallback
     assert [e["node"] for e in fallback["excludedNodes"]] == ["n2"]
+    assert "EmitOnNode" not in kinds(job_actions.Decision(replace.otherwise)), "told once"
     # The next pass (the pod still stopping) writes the exclusion no second time.
     excluded = three(excludedNodes=status_of(decision)["excludedNodes"])
     again = lifecycle.decide(job(raw, **excluded), _gang(raw, p2=_left(raw, 2)), at(6))
@@ -91,7 +97,7 @@ def test_the_trainer_containers_exit_counts_while_a_sidecar_keeps_the_pod_runnin
     left = _pod(raw, 1, "Running", _terminated(exitcodes.DEVICE_SUSPECT, report), sidecar)
     assert left.left_bad_gpu and not left.terminal
     decision = lifecycle.decide(job(raw, **three()), _gang(raw, p1=left), at(5))
-    replace = replace_of(job_actions.Decision(decision.actions[1:]))
+    replace = replace_of(job_actions.Decision(decision.actions[2:]))
     assert replace.avoid == ("n1",) and replace.doomed == ("j-r0-1",)  # the sidecar is stopped
     assert [e["node"] for e in status_of(decision)["excludedNodes"]] == ["n1"]
 
@@ -112,6 +118,10 @@ def test_pod_zero_hosting_the_store_rebuilds_the_gang_without_its_node_as_a_disr
     assert "ReplacePods" not in kinds(decision)
     assert status["restarts"] == 1 and status["disruptionRestarts"] == 1, status
     assert [(e["node"], e["reason"]) for e in status["excludedNodes"]] == [("n0", "BadGPU")]
+    told = [
+        (a.node, a.note.reason) for a in decision.actions if isinstance(a, job_actions.EmitOnNode)
+    ]
+    assert told == [("n0", "BadGPU")], decision
     running = condition(decision, conditions.RUNNING)
     assert running is not None and running["reason"] == conditions.BAD_GPU, running
     assert "n0 excluded: a GPU failed twice" in running["message"], running

@@ -100,3 +100,17 @@ def test_the_same_gpu_failing_twice_within_the_window_is_taken_for_bad() -> None
     assert not spaced.failed(1, now=0.0)
     assert not spaced.failed(1, now=3601.0)  # an hour apart: each a chance event
     assert spaced.failed(1, now=3602.0)
+
+
+def test_the_gpu_is_named_by_cudas_own_list_where_the_pod_has_one():
+    """``CUDA_VISIBLE_DEVICES`` is in CUDA's order: its entry is the GPU.  The device plugin's
+    ``NVIDIA_VISIBLE_DEVICES`` is the pod's set in the plugin's order: named as the set."""
+    uuids = "GPU-7f3a,GPU-91c2"
+    assert (
+        device_fault.which_gpu(1, {"CUDA_VISIBLE_DEVICES": uuids}) == "local rank 1, GPU GPU-91c2"
+    )
+    assert device_fault.which_gpu(1, {"NVIDIA_VISIBLE_DEVICES": uuids}) == (
+        f"local rank 1, CUDA device 1 of the pod's GPUs {uuids}"
+    )
+    for environ in ({}, {"NVIDIA_VISIBLE_DEVICES": "all"}, {"CUDA_VISIBLE_DEVICES": "0"}):
+        assert device_fault.which_gpu(1, environ) == "local rank 1", environ

@@ -356,6 +356,9 @@ class Reconciler:
         if isinstance(action, job_actions.Emit):
             await self.writer.emit(body, action.type, action.reason, action.message)
             return body, job, False
+        if isinstance(action, job_actions.EmitOnNode):
+            await self.writer.emit_on_node(action.node, ref, action.note)
+            return body, job, False
         if isinstance(action, job_actions.DeletePods):
             await owned.delete_pods(
                 self.client, self.cache, ref, action.names, action.grace_seconds
@@ -386,9 +389,10 @@ class Reconciler:
             for step in action.replaced if fits else action.otherwise:
                 body, job, did = await self._act(step, body, job)
                 changed = changed or did
-            if fits:  # where an SRE looking at the node sees it too
+            note = next((a for a in action.replaced if isinstance(a, job_actions.Emit)), None)
+            if fits and note is not None:  # where an SRE looking at the node sees it too
                 for node in action.nodes:
-                    await self.writer.emit_on_node(node, job.ref, action.replaced)
+                    await self.writer.emit_on_node(node, job.ref, note)
             return body, job, changed
         raise TypeError(f"unknown action {action!r}")
 

@@ -222,9 +222,17 @@ def test_a_pod_that_left_a_bad_gpu_is_replaced_alone_on_another_node_which_is_ex
     assert (entry["node"], entry["reason"]) == (bad, "BadGPU") and BAD_GPU_WHY in entry["message"]
     (event,) = cluster.events(namespace, "ecc", "PodReplaced")
     assert "a GPU failed twice" in event.message, event.message
+    _told_on_node(cluster, bad, f"TrainingJob {namespace}/ecc")
     kept = {n: u for n, u in before.items() if n != "ecc-r0-1"}
     now = {p.metadata.name: p.metadata.uid for p in cluster.pods(namespace, "ecc")}
     assert now.items() >= kept.items(), now  # the other pods are the very same
+
+
+def _told_on_node(cluster, node: str, job: str) -> None:
+    """One Warning Event on the Node itself names the job and the supervisor's words."""
+    (told,) = cluster.events("default", node, "BadGPU")
+    assert (told.involved_object.kind, told.type) == ("Node", "Warning"), told
+    assert told.message.startswith(job) and BAD_GPU_WHY in told.message, told.message
 
 
 @pytest.mark.parametrize("index", [0, 2])
@@ -244,6 +252,7 @@ def test_a_bad_gpus_node_stays_out_of_the_rebuild(plane, space, index):
     assert [(e["node"], e["reason"]) for e in status["excludedNodes"]] == [(bad, "BadGPU")]
     if index != 0:  # the pod tier tried first
         assert cluster.events(namespace, "full-ecc", "PodNotReplaced")
+    _told_on_node(cluster, bad, f"TrainingJob {namespace}/full-ecc")
     cluster.add_node(pool, gpus=2, labels={LEAF: "a"})
     pods = cluster.wait_gang(namespace, "full-ecc", 3, attempt=1)
     nodes = {_bound(cluster, namespace, p.metadata.name).spec.node_name for p in pods}

@@ -376,7 +376,8 @@ class Supervisor:
         store leaves with it: the operator rebuilds the gang without the node)."""
         window = device_fault.SUSPECT_WINDOW_S
         why = (
-            f"rank {rank}'s GPU (local rank {local_rank}) failed twice within {window:.0f} s: "
+            f"rank {rank}'s GPU ({device_fault.which_gpu(local_rank, os.environ)}) failed twice "
+            f"within {window:.0f} s: "
             "taking it for bad; this pod leaves to be placed on another node"
         )
         _say(self.pod, f"{why}: exit {exitcodes.DEVICE_SUSPECT}")

@@ -7,7 +7,6 @@ read; Events are best effort (one the API server refuses is logged, never retrie
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from typing import Any
 
 from meshtrain.operator.cluster import clock, informer, kube, metrics
@@ -94,13 +93,8 @@ class JobWriter:
         except (kube.ApiError, OSError) as err:
             logger.warning("could not record event %s: %s", reason, err)
 
-    async def emit_on_node(
-        self, node: str, ref: identity.JobRef, actions: Iterable[job_actions.Action]
-    ) -> None:
-        """The first Emit of ``actions`` as an Event of ``node`` too (where an SRE looking at the node sees it)."""
-        note = next((a for a in actions if isinstance(a, job_actions.Emit)), None)
-        if note is None:
-            return
+    async def emit_on_node(self, node: str, ref: identity.JobRef, note: job_actions.Emit) -> None:
+        """``note`` as an Event of ``node`` too, the job named in front (best effort)."""
         raw = self.cache.nodes.get(("", node)) or {}
         try:
             await self.client.create_node_event(

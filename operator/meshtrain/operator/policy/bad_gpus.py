@@ -6,7 +6,8 @@ node: the pod tier replaces it alone elsewhere (``pod_loss``), or the gang is re
 (``failure``), a disruption either way.  Both write the node into ``status.excludedNodes``
 (:func:`excluded_after`), so that no later placement of the job (a rebuild after the
 replacement found no room, the next attempt, a resize) goes back to it before
-``excluded_nodes.EXCLUSION_SECONDS`` have passed.  Pure.
+``excluded_nodes.EXCLUSION_SECONDS`` have passed, and record a Warning Event on the node
+(:func:`node_events`) for its administrator.  Pure.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from meshtrain.operator.policy import (
     conditions,
     excluded_nodes,
+    job_actions,
     pod_failure,
     pod_state,
 )
@@ -32,6 +34,30 @@ def excluded_after(
     """``status.excludedNodes`` with the node of every pod of ``pods`` that left a bad GPU and is
     not excluded for it yet; None when there is none (written once, however many passes see the
     pod)."""
+    added = _newly_bad(status, pods, now)
+    if not added:
+        return None
+    return excluded_nodes.excluded_after(status, list(added.values()), REASON)
+
+
+def node_events(
+    status: Mapping[str, Any], pods: Sequence[pod_state.PodState], now: datetime.datetime
+) -> tuple[job_actions.EmitOnNode, ...]:
+    """A Warning Event on each node :func:`excluded_after` adds, with the supervisor's words (the
+    rank and GPU): where the administrator who drains the node or replaces the GPU looks."""
+    return tuple(
+        job_actions.EmitOnNode(
+            node, job_actions.Emit("Warning", REASON, f"{entry['message']}; excluded from the job")
+        )
+        for node, entry in _newly_bad(status, pods, now).items()
+    )
+
+
+def _newly_bad(
+    status: Mapping[str, Any], pods: Sequence[pod_state.PodState], now: datetime.datetime
+) -> dict[str, dict[str, Any]]:
+    """The ``excludedNodes`` entry of each node a pod of ``pods`` left a bad GPU on, not excluded
+    for it yet."""
     # an exclusion of another reason may run out sooner: this one gets its own entry
     excluded = excluded_nodes.excluded(excluded_nodes.of_reason(status, REASON), now)
     added: dict[str, dict[str, Any]] = {}
@@ -43,9 +69,7 @@ def excluded_after(
                 "message": f"pod {pod.name}: {pod_failure.bad_gpu_said(pod)}",
                 "time": conditions.timestamp(now),
             }
-    if not added:
-        return None
-    return excluded_nodes.excluded_after(status, list(added.values()), REASON)
+    return added
 
 
 def describe(pods: Sequence[pod_state.PodState]) -> str:

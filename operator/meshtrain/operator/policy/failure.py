@@ -103,6 +103,7 @@ def restart_or_fail(
     counted = {"disruptionRestarts": disruptions + 1, **budget.status} if budget else {}
     # a node a pod left for a bad GPU is excluded whatever else failed with it
     excluded = bad_gpus.excluded_after({**job.status, **counted}, current, seen.now)
+    on_nodes = bad_gpus.node_events({**job.status, **counted}, current, seen.now)
     if excluded is not None:
         counted["excludedNodes"] = excluded
         note += bad_gpus.describe(current)
@@ -125,6 +126,8 @@ def restart_or_fail(
     )
     event = job_actions.Emit("Warning", reason, note)
     stopped = situation.gang_stopped(seen, restarted, event, BROKEN_GANG_GRACE_SECONDS)
+    if on_nodes:
+        stopped = dataclasses.replace(stopped, actions=(*stopped.actions, *on_nodes))
     if budget is not None and budget.wait > 0:  # a repeated disruption: look again when it is over
         return dataclasses.replace(stopped, requeue_after=budget.wait)
     return stopped

@@ -38,6 +38,15 @@ class Emit:
 
 
 @dataclasses.dataclass(frozen=True)
+class EmitOnNode:
+    """Record ``note`` as an Event of ``node`` too, where an administrator looking at the node sees
+    it (the job's name goes in front of its message)."""
+
+    node: str
+    note: Emit
+
+
+@dataclasses.dataclass(frozen=True)
 class DeletePods:
     """Delete these pods (already-gone ones are fine)."""
 
@@ -125,6 +134,7 @@ Action = (
     | ReplacePods
     | ReplaceStraggler
     | Emit
+    | EmitOnNode
     | DeletePods
     | Place
     | LiftGates

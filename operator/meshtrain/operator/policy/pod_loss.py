@@ -115,7 +115,12 @@ def lost(seen: situation.Situation) -> job_actions.ReplacePods | None:
         ),
         doomed=pod_state.undeleted(lost_pods),
         flavors=seen.flavors,
-        otherwise=failure.restart_or_fail(seen, failures).actions,
+        # the nodes' Events are recorded before the replacement is tried (_replace), not again
+        otherwise=tuple(
+            a
+            for a in failure.restart_or_fail(seen, failures).actions
+            if not isinstance(a, job_actions.EmitOnNode)
+        ),
         topology=seen.topology,
     )
 
@@ -131,7 +136,8 @@ def _replace(seen: situation.Situation) -> job_actions.Decision:
     written = (
         () if excluded is None else (job_actions.set_status(seen.job, excludedNodes=excluded),)
     )
-    return job_actions.Decision((*written, replace), requeue_after=again or None)
+    on_nodes = bad_gpus.node_events(seen.job.status, seen.current, seen.now)
+    return job_actions.Decision((*written, *on_nodes, replace), requeue_after=again or None)
 
 
 REPLACE_LOST = situation.PLACED.rule(

@@ -8,6 +8,9 @@ process groups frees them).  A supervised worker fails so only in generation 0: 
 takes its rank, or the same process in the next round, replays the step.  ``rank:step:device``
 raises an uncorrectable ECC error there in every generation, as a GPU gone bad would: its
 supervisor takes the GPU for bad at the second (:mod:`meshtrain.trainer.recovery.device_fault`).
+``MESHTRAIN_FAULT_NODE=name`` keeps the fault to a pod on that node (``MESHTRAIN_NODE_NAME``, the
+node the pod was bound to), as a bad GPU fails only where it is: a replacement placed elsewhere
+runs clean.
 ``MESHTRAIN_FAULT_SLOW=rank:factor[:step]`` makes that rank's compute about ``factor`` times as
 long, as a throttled GPU would: the straggler detector's test input.  Its sleeps sit in a forward hook, so they count as compute, not as waiting.
 """
@@ -29,6 +32,8 @@ import torch.distributed as dist
 ENV = "MESHTRAIN_FAULT_INJECT"
 EXIT_CODE = 17
 SLOW_ENV = "MESHTRAIN_FAULT_SLOW"
+NODE_ENV = "MESHTRAIN_FAULT_NODE"
+"""Where set, only a pod bound to this node meets the fault of :data:`ENV`."""
 OWN_COMPUTE_STEPS = 5
 """Steps of this rank's own compute whose median sizes the injected sleep."""
 
@@ -63,6 +68,8 @@ def maybe_fail(rank: int, step: int, generation: int = 0) -> None:
     fault in every generation)."""
     value = os.environ.get(ENV)
     target = parse(value)
+    if target is None or not _on_faulty_node():
+        return
     if target == (rank, step) and value and value.endswith(":device"):
         sys.stderr.write(f"{ENV}: rank {rank} meets a GPU error before step {step}\n")
         sys.stderr.flush()
@@ -80,6 +87,12 @@ def maybe_fail(rank: int, step: int, generation: int = 0) -> None:
         if kill:
             os.kill(os.getpid(), signal.SIGKILL)
         os._exit(EXIT_CODE)
+
+
+def _on_faulty_node() -> bool:
+    """Whether this pod's node is the one :data:`NODE_ENV` names (any node where it is unset)."""
+    node = os.environ.get(NODE_ENV)
+    return not node or node == os.environ.get("MESHTRAIN_NODE_NAME")
 
 
 def _hang(rank: int, step: int) -> None:

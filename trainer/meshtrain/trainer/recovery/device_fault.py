@@ -16,6 +16,8 @@ this one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 SUSPECT_WINDOW_S = 3600.0
 """Two device errors of one GPU within this long take it for bad."""
 HARDWARE_MARKS = (
@@ -51,3 +53,17 @@ class DeviceFailures:
         before = self.last.get(local_rank)
         self.last[local_rank] = now
         return before is not None and now - before <= self.window_s
+
+
+def which_gpu(local_rank: int, environ: Mapping[str, str]) -> str:
+    """The GPU of ``local_rank`` in words an administrator can find it by.  ``CUDA_VISIBLE_DEVICES``
+    lists the devices in CUDA's order, so its entry is that GPU (an index or a UUID); the device
+    plugin's ``NVIDIA_VISIBLE_DEVICES`` holds the pod's GPUs in an order CUDA need not follow, so
+    it narrows the GPU to the pod's set."""
+    visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if local_rank < len(visible):
+        return f"local rank {local_rank}, GPU {visible[local_rank].strip()}"
+    pods = environ.get("NVIDIA_VISIBLE_DEVICES", "").strip()
+    if pods and pods not in ("all", "none", "void"):
+        return f"local rank {local_rank}, CUDA device {local_rank} of the pod's GPUs {pods}"
+    return f"local rank {local_rank}"
