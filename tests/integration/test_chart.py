@@ -511,6 +511,10 @@ def test_rbac_namespaces_mode_grants_only_the_listed_namespaces(tools: dict) -> 
             "cluster-wide pod list: GPU reservations of every namespace"
         )
         assert not can_i(tools, sa, "get", "secrets", watched)
+        # Events on Nodes go where the kubelet records them; nothing else is granted there
+        assert can_i(tools, sa, "create", "events", "default"), "a bad GPU's Event on its Node"
+        assert not can_i(tools, sa, "create", "pods", "default")
+        assert not can_i(tools, sa, "list", "events", "default")
     finally:
         run(tools, "helm", "uninstall", "rbacns", "--namespace", release_ns, "--wait")
 

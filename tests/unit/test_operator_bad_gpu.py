@@ -102,29 +102,47 @@ def test_the_trainer_containers_exit_counts_while_a_sidecar_keeps_the_pod_runnin
     assert [e["node"] for e in status_of(decision)["excludedNodes"]] == ["n1"]
 
 
-def test_pod_zero_hosting_the_store_rebuilds_the_gang_without_its_node_as_a_disruption():
-    """Its supervisor halted the gang (the store leaves with it): the others exit 75, which
-    follows from pod 0's leaving; no ``backoffLimit`` is spent, even at 0."""
-    raw = JobBuilder().layout(data=3, gpus_per_node=1).run_policy(backoffLimit=0).raw()
+def _pod_zero_left(raw: dict[str, Any]) -> list[pod_state.PodState]:
+    """Pod 0, the store's host, left a bad GPU and halted the gang: the others exited 75."""
     gave_up = exitcodes.failure_report(exitcodes.GANG_RESTART, "the gang was halted")
-    pods = _gang(
+    return _gang(
         raw,
         p0=_left(raw, 0),
         p1=_pod(raw, 1, "Failed", _terminated(exitcodes.GANG_RESTART, gave_up)),
         p2=_pod(raw, 2, "Failed", _terminated(exitcodes.GANG_RESTART, gave_up)),
     )
-    decision = lifecycle.decide(job(raw, **three()), pods, at(5))
+
+
+def test_pod_zero_hosting_the_store_rebuilds_the_gang_without_its_node_as_a_disruption():
+    """Its supervisor halted the gang (the store leaves with it): the others exit 75, which
+    follows from pod 0's leaving; no ``backoffLimit`` is spent, even at 0."""
+    raw = JobBuilder().layout(data=3, gpus_per_node=1).run_policy(backoffLimit=0).raw()
+    decision = lifecycle.decide(job(raw, **three()), _pod_zero_left(raw), at(5))
     status = status_of(decision)
     assert "ReplacePods" not in kinds(decision)
     assert status["restarts"] == 1 and status["disruptionRestarts"] == 1, status
     assert [(e["node"], e["reason"]) for e in status["excludedNodes"]] == [("n0", "BadGPU")]
-    told = [
-        (a.node, a.note.reason) for a in decision.actions if isinstance(a, job_actions.EmitOnNode)
-    ]
-    assert told == [("n0", "BadGPU")], decision
+    # the node told right after the status write, before the pods' deletion can fail
+    assert kinds(decision)[:3] == ["SetStatus", "EmitOnNode", "Emit"], decision
+    assert decision.actions[1] == job_actions.EmitOnNode(
+        "n0",
+        job_actions.Emit("Warning", bad_gpus.REASON, f"pod j-r0-0: {WHY}; excluded from the job"),
+    )
     running = condition(decision, conditions.RUNNING)
     assert running is not None and running["reason"] == conditions.BAD_GPU, running
     assert "n0 excluded: a GPU failed twice" in running["message"], running
+
+
+def test_a_job_failed_by_its_disruption_budget_still_tells_the_bad_gpus_node():
+    """No exclusion is written for a failed job, but the node's administrator is told all the
+    same: the GPU is as bad as on a job that goes on."""
+    raw = JobBuilder().layout(data=3, gpus_per_node=1).run_policy(disruptionRestartLimit=0).raw()
+    decision = lifecycle.decide(job(raw, **three()), _pod_zero_left(raw), at(5))
+    assert status_of(decision)["phase"] == "Failed", status_of(decision)
+    assert kinds(decision)[:3] == ["SetStatus", "EmitOnNode", "Emit"], decision
+    told = decision.actions[1]
+    assert isinstance(told, job_actions.EmitOnNode) and told.node == "n0"
+    assert WHY in told.note.message, told
 
 
 def test_a_workers_device_error_is_never_a_pods_and_other_exits_exclude_nothing():

@@ -106,11 +106,17 @@ def test_the_gpu_is_named_by_cudas_own_list_where_the_pod_has_one():
     """``CUDA_VISIBLE_DEVICES`` is in CUDA's order: its entry is the GPU.  The device plugin's
     ``NVIDIA_VISIBLE_DEVICES`` is the pod's set in the plugin's order: named as the set."""
     uuids = "GPU-7f3a,GPU-91c2"
-    assert (
-        device_fault.which_gpu(1, {"CUDA_VISIBLE_DEVICES": uuids}) == "local rank 1, GPU GPU-91c2"
+    name = device_fault.which_gpu
+    assert name(1, {"CUDA_VISIBLE_DEVICES": uuids}) == "local rank 1, GPU GPU-91c2"
+    assert name(1, {"CUDA_VISIBLE_DEVICES": "4,5"}) == "local rank 1, CUDA_VISIBLE_DEVICES 5"
+    assert name(1, {"NVIDIA_VISIBLE_DEVICES": uuids}) == (
+        f"local rank 1, one of the pod's GPUs {uuids}"
     )
-    assert device_fault.which_gpu(1, {"NVIDIA_VISIBLE_DEVICES": uuids}) == (
-        f"local rank 1, CUDA device 1 of the pod's GPUs {uuids}"
-    )
-    for environ in ({}, {"NVIDIA_VISIBLE_DEVICES": "all"}, {"CUDA_VISIBLE_DEVICES": "0"}):
-        assert device_fault.which_gpu(1, environ) == "local rank 1", environ
+    # CUDA's list rules once set; the plugin's volume-mounts strategy holds a path, not GPUs
+    for environ in (
+        {},
+        {"NVIDIA_VISIBLE_DEVICES": "all"},
+        {"NVIDIA_VISIBLE_DEVICES": "/var/run/nvidia-container-devices"},
+        {"CUDA_VISIBLE_DEVICES": "0", "NVIDIA_VISIBLE_DEVICES": uuids},
+    ):
+        assert name(1, environ) == "local rank 1", environ

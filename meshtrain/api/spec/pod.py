@@ -111,6 +111,10 @@ RESERVED_ENV_PREFIXES = ("MESHTRAIN_", "PET_", "TORCHELASTIC_")
 """Environment the operator sets for torchrun and the trainer; a job may not override it."""
 RESERVED_ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
 """The same, by whole name."""
+FAULT_ENV_NAMES = ("MESHTRAIN_FAULT_INJECT", "MESHTRAIN_FAULT_NODE", "MESHTRAIN_FAULT_SLOW")
+"""The built-in trainer's fault injection (``meshtrain.trainer.guards.faults``), which a job may
+set for a chaos drill of its own: a rank killed, hung, slowed or meeting a GPU error.  The
+operator never sets them, and they fail nothing but the job that sets them."""
 GPU_ENV_NAMES = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "CUDA_VISIBLE_DEVICES")
 """Which GPUs a container sees is the device plugin's to set (the GPUs the pod was given)."""
 GPU_ENV_FIX = (
@@ -126,6 +130,14 @@ KUEUE_PREFIX = "kueue.x-k8s.io/"
 Workload (its pod integration), or forge Kueue's own bookkeeping."""
 RESERVED_LABELS = ("app.kubernetes.io/managed-by",)
 """The same, by whole key."""
+
+
+def is_reserved_env(name: str) -> bool:
+    """Whether ``name`` is environment the operator sets (:data:`RESERVED_ENV_PREFIXES`,
+    :data:`RESERVED_ENV_NAMES`), so that a job may not set it."""
+    if name in FAULT_ENV_NAMES:
+        return False
+    return name.startswith(RESERVED_ENV_PREFIXES) or name in RESERVED_ENV_NAMES
 
 
 def _env_value_or_source(pod: PodSettings) -> str | None:
@@ -151,7 +163,7 @@ def _env_value_or_source(pod: PodSettings) -> str | None:
 
 def _env_not_reserved(pod: PodSettings) -> str | None:
     for i, var in enumerate(pod.env):
-        if var.name.startswith(RESERVED_ENV_PREFIXES) or var.name in RESERVED_ENV_NAMES:
+        if is_reserved_env(var.name):
             return (
                 f"env[{i}] {var.name} is set by the operator for torchrun and the trainer "
                 f"({', '.join(p + '*' for p in RESERVED_ENV_PREFIXES)}, {', '.join(RESERVED_ENV_NAMES)}): "
@@ -245,9 +257,9 @@ RULES: tuple[base.Rule[PodSettings], ...] = (
     base.Rule(
         "env-not-reserved",
         "spec.pod.env",
-        "self.pod.env.all(e, "
+        f"self.pod.env.all(e, e.name in {_cel_list(FAULT_ENV_NAMES)} || ("
         + " && ".join(f"!e.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES)
-        + f" && !(e.name in {_cel_list(RESERVED_ENV_NAMES)}))",
+        + f" && !(e.name in {_cel_list(RESERVED_ENV_NAMES)})))",
         f"pod.env may not set {', '.join(p + '*' for p in RESERVED_ENV_PREFIXES)} or "
         f"{', '.join(RESERVED_ENV_NAMES)}: the operator sets them for torchrun and the trainer",
         _env_not_reserved,

@@ -207,9 +207,7 @@ def _trainer_owned(where: str, container: Mapping[str, Any]) -> Iterator[str]:
         return
     for i, var in enumerate(env):
         name = var.get("name") if isinstance(var, dict) else None
-        if isinstance(name, str) and (
-            name.startswith(pod.RESERVED_ENV_PREFIXES) or name in pod.RESERVED_ENV_NAMES
-        ):
+        if isinstance(name, str) and pod.is_reserved_env(name):
             yield (
                 f"{where}.env[{i}] {name} is set by the operator for torchrun and the trainer "
                 f"({', '.join(p + '*' for p in pod.RESERVED_ENV_PREFIXES)}, "

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from meshtrain.api import rules
+from meshtrain.api import loading, rules
 from meshtrain.api.spec import run_policy
+from meshtrain.trainer.guards import faults
 from tests.builders import JobBuilder
 
 pytestmark = pytest.mark.integration
@@ -368,6 +369,30 @@ def test_a_custom_program_may_declare_its_progress_port(cluster, namespace):
     result = _dry_run(cluster, namespace, body)
     assert result.returncode == 0, result.stderr
     assert yaml.safe_load(result.stdout)["spec"]["trainer"]["progressPort"] == 9500
+
+
+def test_a_chaos_drills_fault_injection_env_is_accepted_and_the_operators_is_not(
+    cluster, namespace
+):
+    """The trainer's fault-injection variables are the job's own to set (``pod.FAULT_ENV_NAMES``,
+    named from the trainer's ``faults`` module); the operator's ``MESHTRAIN_*`` stay refused by
+    the API server and the model alike."""
+    drill = [
+        {"name": faults.ENV, "value": "1:8:device"},
+        {"name": faults.NODE_ENV, "value": "gpu-b0-l0-n0"},
+        {"name": faults.SLOW_ENV, "value": "1:1.5"},
+    ]
+    body = _valid("drill").pod(env=drill).manifest()
+    result = _dry_run(cluster, namespace, body)
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["spec"]["pod"]["env"] == drill
+    own = _valid("own-env").pod(env=[*drill, {"name": "MESHTRAIN_SPEC_FILE", "value": "/x"}])
+    refused = _dry_run(cluster, namespace, own.manifest())
+    assert refused.returncode != 0, refused.stdout
+    assert "MESHTRAIN_*" in refused.stderr, refused.stderr
+    loading.parse_spec(_valid("drill").pod(env=drill).raw())  # the model agrees
+    with pytest.raises(loading.SpecError, match="MESHTRAIN_SPEC_FILE is set by the operator"):
+        loading.parse_spec(own.raw())
 
 
 def test_a_context_parallel_job_is_accepted(cluster, namespace):

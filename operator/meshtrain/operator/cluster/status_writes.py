@@ -99,7 +99,8 @@ class JobWriter:
         try:
             await self.client.create_node_event(
                 node=node,
-                uid=(raw.get("metadata") or {}).get("uid"),
+                # the kubelet's own node Events carry the node's name as its UID
+                uid=(raw.get("metadata") or {}).get("uid") or node,
                 type_=note.type,
                 reason=note.reason,
                 message=f"TrainingJob {ref.namespace}/{ref.name}: {note.message}",

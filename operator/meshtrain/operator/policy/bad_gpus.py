@@ -4,7 +4,7 @@ A supervisor whose GPU failed twice within an hour exits ``DEVICE_SUSPECT`` (79,
 ``meshtrain.trainer.recovery.device_fault``; ``PodState.left_bad_gpu``).  The pod is lost by its
 node: the pod tier replaces it alone elsewhere (``pod_loss``), or the gang is rebuilt
 (``failure``), a disruption either way.  Both write the node into ``status.excludedNodes``
-(:func:`excluded_after`), so that no later placement of the job (a rebuild after the
+(:func:`newly_bad`, :func:`excluded_after`), so that no later placement of the job (a rebuild after the
 replacement found no room, the next attempt, a resize) goes back to it before
 ``excluded_nodes.EXCLUSION_SECONDS`` have passed, and record a Warning Event on the node
 (:func:`node_events`) for its administrator.  Pure.
@@ -12,6 +12,7 @@ replacement found no room, the next attempt, a resize) goes back to it before
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,36 +29,11 @@ REASON = conditions.BAD_GPU
 """``excludedNodes[].reason`` of a node a pod left for a bad GPU."""
 
 
-def excluded_after(
-    status: Mapping[str, Any], pods: Sequence[pod_state.PodState], now: datetime.datetime
-) -> list[Any] | None:
-    """``status.excludedNodes`` with the node of every pod of ``pods`` that left a bad GPU and is
-    not excluded for it yet; None when there is none (written once, however many passes see the
-    pod)."""
-    added = _newly_bad(status, pods, now)
-    if not added:
-        return None
-    return excluded_nodes.excluded_after(status, list(added.values()), REASON)
-
-
-def node_events(
-    status: Mapping[str, Any], pods: Sequence[pod_state.PodState], now: datetime.datetime
-) -> tuple[job_actions.EmitOnNode, ...]:
-    """A Warning Event on each node :func:`excluded_after` adds, with the supervisor's words (the
-    rank and GPU): where the administrator who drains the node or replaces the GPU looks."""
-    return tuple(
-        job_actions.EmitOnNode(
-            node, job_actions.Emit("Warning", REASON, f"{entry['message']}; excluded from the job")
-        )
-        for node, entry in _newly_bad(status, pods, now).items()
-    )
-
-
-def _newly_bad(
+def newly_bad(
     status: Mapping[str, Any], pods: Sequence[pod_state.PodState], now: datetime.datetime
 ) -> dict[str, dict[str, Any]]:
-    """The ``excludedNodes`` entry of each node a pod of ``pods`` left a bad GPU on, not excluded
-    for it yet."""
+    """The ``excludedNodes`` entry of each node a pod of ``pods`` left a bad GPU on that is not
+    excluded for it yet (so each is written, and told, once however many passes see the pod)."""
     # an exclusion of another reason may run out sooner: this one gets its own entry
     excluded = excluded_nodes.excluded(excluded_nodes.of_reason(status, REASON), now)
     added: dict[str, dict[str, Any]] = {}
@@ -70,6 +46,39 @@ def _newly_bad(
                 "time": conditions.timestamp(now),
             }
     return added
+
+
+def excluded_after(
+    status: Mapping[str, Any], added: Mapping[str, dict[str, Any]]
+) -> list[Any] | None:
+    """``status.excludedNodes`` with the :func:`newly_bad` entries ``added``; None when none."""
+    if not added:
+        return None
+    return excluded_nodes.excluded_after(status, list(added.values()), REASON)
+
+
+def node_events(added: Mapping[str, dict[str, Any]]) -> tuple[job_actions.EmitOnNode, ...]:
+    """A Warning Event on each node of the :func:`newly_bad` entries ``added``, with the
+    supervisor's words (the rank and its GPU where it named them): where the administrator who
+    drains the node or replaces the GPU looks."""
+    return tuple(
+        job_actions.EmitOnNode(
+            node, job_actions.Emit("Warning", REASON, f"{entry['message']}; excluded from the job")
+        )
+        for node, entry in added.items()
+    )
+
+
+def told_first(
+    decision: job_actions.Decision, events: tuple[job_actions.EmitOnNode, ...]
+) -> job_actions.Decision:
+    """``decision`` with ``events`` right after its first action (its status write): a later
+    action's failure (a pod deletion) must not lose them, and a failed status write, which ends
+    the pass, is not followed by them."""
+    if not events:
+        return decision
+    first, *rest = decision.actions
+    return dataclasses.replace(decision, actions=(first, *events, *rest))
 
 
 def describe(pods: Sequence[pod_state.PodState]) -> str:

@@ -73,11 +73,16 @@ def restart_or_fail(
     job, current = seen.job, seen.current
     restarts = seen.attempt
     limit = seen.spec.run_policy.backoff_limit
+    # a node a pod left for a bad GPU is told, and excluded if the gang goes on, whatever else
+    # failed with it
+    bad = bad_gpus.newly_bad(job.status, current, seen.now)
+    told = bad_gpus.node_events(bad)
     permanent = [f for f in failures if f.permanent]
     if permanent:
         message = f"{permanent[0].message}; not retried"
         reason = permanent[0].reason or conditions.PERMANENT_FAILURE
-        return fail(seen, current, reason, message, grace_seconds=BROKEN_GANG_GRACE_SECONDS)
+        failed = fail(seen, current, reason, message, grace_seconds=BROKEN_GANG_GRACE_SECONDS)
+        return bad_gpus.told_first(failed, told)
     message = "; ".join(f.message for f in failures[:3])
     disruptions = int(job.status.get("disruptionRestarts") or 0)
     disruption = all(f.disruption for f in failures)
@@ -85,15 +90,17 @@ def restart_or_fail(
     budget = disruption_budget.judge(seen, failures, message) if disruption else None
     if budget is not None and budget.exceeded is not None:
         reason = disruption_budget.LIMIT_EXCEEDED
-        return fail(seen, current, reason, budget.exceeded, BROKEN_GANG_GRACE_SECONDS)
+        failed = fail(seen, current, reason, budget.exceeded, BROKEN_GANG_GRACE_SECONDS)
+        return bad_gpus.told_first(failed, told)
     if not disruption and used >= limit:
-        return fail(
+        failed = fail(
             seen,
             current,
             conditions.BACKOFF_LIMIT_EXCEEDED,
             f"{message}; backoffLimit={limit} restart(s) already used",
             grace_seconds=BROKEN_GANG_GRACE_SECONDS,
         )
+        return bad_gpus.told_first(failed, told)
     note = (
         f"{message}; restarting the gang (a disruption: not counted against "
         f"backoffLimit={limit}, {used} used; {budget.note})"
@@ -101,9 +108,7 @@ def restart_or_fail(
         else f"{message}; restarting the gang (restart {used + 1} of {limit})"
     )
     counted = {"disruptionRestarts": disruptions + 1, **budget.status} if budget else {}
-    # a node a pod left for a bad GPU is excluded whatever else failed with it
-    excluded = bad_gpus.excluded_after({**job.status, **counted}, current, seen.now)
-    on_nodes = bad_gpus.node_events({**job.status, **counted}, current, seen.now)
+    excluded = bad_gpus.excluded_after({**job.status, **counted}, bad)
     if excluded is not None:
         counted["excludedNodes"] = excluded
         note += bad_gpus.describe(current)
@@ -125,9 +130,9 @@ def restart_or_fail(
         conditions=conds,
     )
     event = job_actions.Emit("Warning", reason, note)
-    stopped = situation.gang_stopped(seen, restarted, event, BROKEN_GANG_GRACE_SECONDS)
-    if on_nodes:
-        stopped = dataclasses.replace(stopped, actions=(*stopped.actions, *on_nodes))
+    stopped = bad_gpus.told_first(
+        situation.gang_stopped(seen, restarted, event, BROKEN_GANG_GRACE_SECONDS), told
+    )
     if budget is not None and budget.wait > 0:  # a repeated disruption: look again when it is over
         return dataclasses.replace(stopped, requeue_after=budget.wait)
     return stopped

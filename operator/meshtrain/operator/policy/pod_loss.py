@@ -132,12 +132,13 @@ def _replace(seen: situation.Situation) -> job_actions.Decision:
     # "at once": a rebuild's own writes bring the next pass, and a replacement waiting for its
     # lost pod to stop is woken by that pod's events (a zero here spun ~18 passes a second).
     again = failure.restart_or_fail(seen, seen.failures).requeue_after
-    excluded = bad_gpus.excluded_after(seen.job.status, seen.current, seen.now)
+    bad = bad_gpus.newly_bad(seen.job.status, seen.current, seen.now)
+    excluded = bad_gpus.excluded_after(seen.job.status, bad)
     written = (
         () if excluded is None else (job_actions.set_status(seen.job, excludedNodes=excluded),)
     )
-    on_nodes = bad_gpus.node_events(seen.job.status, seen.current, seen.now)
-    return job_actions.Decision((*written, *on_nodes, replace), requeue_after=again or None)
+    told = bad_gpus.node_events(bad)
+    return job_actions.Decision((*written, *told, replace), requeue_after=again or None)
 
 
 REPLACE_LOST = situation.PLACED.rule(

@@ -56,14 +56,25 @@ class DeviceFailures:
 
 
 def which_gpu(local_rank: int, environ: Mapping[str, str]) -> str:
-    """The GPU of ``local_rank`` in words an administrator can find it by.  ``CUDA_VISIBLE_DEVICES``
-    lists the devices in CUDA's order, so its entry is that GPU (an index or a UUID); the device
-    plugin's ``NVIDIA_VISIBLE_DEVICES`` holds the pod's GPUs in an order CUDA need not follow, so
-    it narrows the GPU to the pod's set."""
-    visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    if local_rank < len(visible):
-        return f"local rank {local_rank}, GPU {visible[local_rank].strip()}"
-    pods = environ.get("NVIDIA_VISIBLE_DEVICES", "").strip()
-    if pods and pods not in ("all", "none", "void"):
-        return f"local rank {local_rank}, CUDA device {local_rank} of the pod's GPUs {pods}"
-    return f"local rank {local_rank}"
+    """The GPU of ``local_rank`` as far as the container's environment tells it, for the node's
+    administrator.  CUDA numbers the devices of ``CUDA_VISIBLE_DEVICES`` in its order, so where
+    set its entry is the GPU: exact when the entry is a UUID, an index only counts within the
+    container.  The device plugin's ``NVIDIA_VISIBLE_DEVICES`` lists the pod's GPUs by UUID in an
+    order CUDA need not follow, so it narrows the GPU to the pod's set.  Nothing names it where
+    neither holds UUIDs (CDI and DRA allocations set neither): the local rank alone."""
+    own = f"local rank {local_rank}"
+    cuda = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if cuda:  # CUDA's own numbering: never the plugin's list once this is set
+        visible = [d.strip() for d in cuda.split(",")]
+        if local_rank >= len(visible):
+            return own
+        entry = visible[local_rank]
+        return f"{own}, GPU {entry}" if _is_uuid(entry) else f"{own}, CUDA_VISIBLE_DEVICES {entry}"
+    pods = [d.strip() for d in environ.get("NVIDIA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if pods and all(_is_uuid(d) for d in pods):
+        return f"{own}, one of the pod's GPUs {','.join(pods)}"
+    return own
+
+
+def _is_uuid(device: str) -> bool:
+    return device.startswith(("GPU-", "MIG-"))
