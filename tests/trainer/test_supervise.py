@@ -164,6 +164,21 @@ def _same_final_state(out: Path, reference: Path, scratch: Path) -> None:
             assert ours[key] == value, key
 
 
+def _only_these_ranks_restarted(
+    tmp_path: Path, text: str, restarted: tuple[int, ...], kept: tuple[int, ...]
+) -> None:
+    """By the supervisors' logs, the ``restarted`` ranks run new processes in the last round and
+    the ``kept`` ones their first; the newest recovery record, a container's or pod's, names
+    exactly the restarted ranks."""
+    joined = _pids(text)
+    last = max(joined)
+    assert last >= 1 and all(joined[0][r] == joined[last][r] for r in kept), text
+    assert all(joined[0][r] != joined[last][r] for r in restarted), text
+    records = recoveries.read(tmp_path / "logs" / recoveries.FILENAME)
+    assert records and records[-1]["tier"] in ("container", "pod"), records
+    assert set(records[-1]["ranks"]) == set(restarted), records
+
+
 def _pids(text: str) -> dict[int, dict[int, int]]:
     """generation -> rank -> pid, from the workers' "joined" lines."""
     joined: dict[int, dict[int, int]] = {}
@@ -348,13 +363,7 @@ def test_a_restarted_pod_rejoins_while_the_other_keeps_its_processes(
     text = _logs(tmp_path)
     assert codes == [0, 0], text
     assert "pod 1: restarted: joining the next round" in text
-    joined = _pids(text)
-    last = max(joined)
-    assert last >= 1 and all(joined[0][r] == joined[last][r] for r in (0, 1)), text
-    assert all(joined[0][r] != joined[last][r] for r in (2, 3)), text
-    records = recoveries.read(tmp_path / "logs" / recoveries.FILENAME)
-    assert records and records[-1]["tier"] in ("container", "pod"), records
-    assert set(records[-1]["ranks"]) == {2, 3}, records
+    _only_these_ranks_restarted(tmp_path, text, (2, 3), kept=(0, 1))
     _same_final_state(tmp_path, reference, tmp_path)
 
 
@@ -526,13 +535,7 @@ def test_with_a_store_pod_a_replaced_pod_0_rejoins_while_pod_1_keeps_its_process
     assert codes == [0, 0, 0], text
     assert "pod 0: restarted: joining the next round" in text
     assert "meshtrain store: exit 0: rank 0 finished; every pod left" in text
-    joined = _pids(text)
-    last = max(joined)
-    assert last >= 1 and all(joined[0][r] == joined[last][r] for r in (2, 3)), text
-    assert all(joined[0][r] != joined[last][r] for r in (0, 1)), text
-    records = recoveries.read(tmp_path / "logs" / recoveries.FILENAME)
-    assert records and records[-1]["tier"] in ("container", "pod"), records
-    assert set(records[-1]["ranks"]) == {0, 1}, records
+    _only_these_ranks_restarted(tmp_path, text, (0, 1), kept=(2, 3))
     _same_final_state(tmp_path, reference, tmp_path)
 
 
