@@ -38,11 +38,17 @@ SPARES = re.compile(r"meshtrain supervise pod (\d+): spares \[([\d, ]*)\]")
 
 
 def _spec(
-    directory: Path, steps: int, recovery: dict[str, Any] | None = None, **checkpoint: Any
+    directory: Path,
+    steps: int,
+    recovery: dict[str, Any] | None = None,
+    *,
+    ranks: int = 4,
+    **checkpoint: Any,
 ) -> Path:
+    """dp2·pp2 for 4 ranks, dp2 for 2 (a test of one pod's signals needs no more processes)."""
     builder = (
         JobBuilder.cpu_run()
-        .layout(data=2, pipeline=2)
+        .layout(data=2, pipeline=ranks // 2)
         .training(steps=steps)
         .checkpoint(**{"intervalSteps": 1, "keep": 2, "asyncSave": False, **checkpoint})
     )
@@ -138,6 +144,9 @@ def _tensors(directory: Path, scratch: Path) -> dict[str, Any]:
 
 
 STEPS = 8
+NO_SPARES = "--warm-spares=0"
+"""For the tests whose subject is not the warm spare: each spare imports torch and the trainer,
+seconds of CPU that the 2-core suite would spend on processes nothing uses."""
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +250,7 @@ def test_a_killed_rank_is_restored_from_memory_in_place(
     spec = _spec(tmp_path, STEPS, intervalSteps=0, inMemory={"intervalSteps": 2})
     fault = {faults.ENV: "3:6:kill"}
     shm = tmp_path / "shm"
-    codes = _wait(_supervisors(spec, tmp_path, 2, 2, shm=shm, **fault), tmp_path)
+    codes = _wait(_supervisors(spec, tmp_path, 2, 2, NO_SPARES, shm=shm, **fault), tmp_path)
     text = _logs(tmp_path)
     assert codes == [0, 0], text
     assert sorted(_pids(text)) == [0, 1], text  # one in-place recovery, no gang rebuild
@@ -272,7 +281,8 @@ def test_a_rank_hung_in_a_collective_is_recovered_in_place_by_the_stall_watch(
     process, long before the groups' own timeout, and the run ends as the unfaulted one."""
     _, reference = unfaulted
     spec = _spec(tmp_path, STEPS, recovery={"stallTimeoutSeconds": STALL_S})
-    codes = _wait(_supervisors(spec, tmp_path, 2, 2, **{faults.ENV: "3:4:hang"}), tmp_path)
+    faulted = _supervisors(spec, tmp_path, 2, 2, NO_SPARES, **{faults.ENV: "3:4:hang"})
+    codes = _wait(faulted, tmp_path)
     text = _logs(tmp_path)
     assert codes == [0, 0], text
     assert "rank 3 hangs before step 4" in text, text
@@ -292,8 +302,8 @@ def test_a_rank_hung_in_a_collective_is_recovered_in_place_by_the_stall_watch(
 def test_a_gpu_that_fails_twice_sends_its_pod_away_while_the_other_waits_in_place(
     tmp_path: Path, unfaulted: tuple[Path, Path]
 ) -> None:
-    """Rank 3's GPU fails before step 3 (an uncorrectable ECC error): a spare takes the rank in
-    place and replays step 3 on the same GPU, which fails again.  Pod 1's supervisor takes the
+    """Rank 3's GPU fails before step 3 (an uncorrectable ECC error): a new process takes the
+    rank in place and replays step 3 on the same GPU, which fails again.  Pod 1's supervisor takes the
     GPU for bad, stops its ranks and exits 79, saying why in its termination log (the operator
     replaces such a pod alone, on another node); pod 0 keeps its processes and waits at the
     round; the replacement joins it and the run ends as the unfaulted one."""
@@ -305,6 +315,7 @@ def test_a_gpu_that_fails_twice_sends_its_pod_away_while_the_other_waits_in_plac
         tmp_path,
         2,
         2,
+        NO_SPARES,
         port=port,
         MESHTRAIN_TERMINATION_LOG=str(termination),
         **{faults.ENV: "3:3:device"},
@@ -314,7 +325,7 @@ def test_a_gpu_that_fails_twice_sends_its_pod_away_while_the_other_waits_in_plac
     assert report is not None and report[0] == exitcodes.DEVICE_SUSPECT, report
     assert "failed twice" in report[1], report
     assert pod0.poll() is None, _logs(tmp_path)  # not ended with the pod: waiting in place
-    [pod1] = _supervisors(spec, tmp_path, 2, 2, port=port, only=1)  # on a healthy GPU
+    [pod1] = _supervisors(spec, tmp_path, 2, 2, NO_SPARES, port=port, only=1)  # a healthy GPU
     codes = _wait([pod0, pod1], tmp_path)
     text = _logs(tmp_path)
     assert codes == [0, 0], text
@@ -338,7 +349,7 @@ def test_a_bad_gpu_under_pod_0_hosting_the_store_halts_the_gang(
     with it, so it halts the gang and exits 79 without lingering; pod 1 leaves with 75 (the
     operator reads it as following from pod 0's exit and rebuilds without pod 0's node)."""
     spec, _ = unfaulted
-    pod0, pod1 = _supervisors(spec, tmp_path, 2, 2, **{faults.ENV: "1:3:device"})
+    pod0, pod1 = _supervisors(spec, tmp_path, 2, 2, NO_SPARES, **{faults.ENV: "1:3:device"})
     assert _wait([pod0, pod1], tmp_path, timeout=240) == [
         exitcodes.DEVICE_SUSPECT,
         exitcodes.GANG_RESTART,
@@ -354,11 +365,11 @@ def test_a_restarted_pod_rejoins_while_the_other_keeps_its_processes(
 ) -> None:
     spec, reference = unfaulted
     port = launch.free_port()
-    pod0, pod1 = _supervisors(spec, tmp_path, 2, 2, port=port)
+    pod0, pod1 = _supervisors(spec, tmp_path, 2, 2, NO_SPARES, port=port)
     _wait_for_step(pod0, tmp_path, 2)
-    os.killpg(pod1.pid, signal.SIGKILL)  # the pod's container: supervisor, workers, spare
+    os.killpg(pod1.pid, signal.SIGKILL)  # the pod's container: supervisor and workers
     pod1.wait()
-    [pod1] = _supervisors(spec, tmp_path, 2, 2, port=port, only=1)  # the kubelet's restart
+    [pod1] = _supervisors(spec, tmp_path, 2, 2, NO_SPARES, port=port, only=1)  # kubelet's restart
     codes = _wait([pod0, pod1], tmp_path)
     text = _logs(tmp_path)
     assert codes == [0, 0], text
@@ -377,7 +388,7 @@ def test_a_pod_stopped_alone_leaves_and_the_others_wait_in_place_for_its_replace
     the unfaulted one, no step lost."""
     spec, reference = unfaulted
     port = launch.free_port()
-    pod0, pod1 = _supervisors(spec, tmp_path, 2, 2, port=port)
+    pod0, pod1 = _supervisors(spec, tmp_path, 2, 2, NO_SPARES, port=port)
     log = _wait_for_step(pod0, tmp_path, 2)
     pod1.send_signal(signal.SIGTERM)
     assert _wait([pod1], tmp_path) == [exitcodes.STOPPED], _logs(tmp_path)
@@ -389,7 +400,7 @@ def test_a_pod_stopped_alone_leaves_and_the_others_wait_in_place_for_its_replace
     # It did not say it left: pod 0 keeps watching the slot's next holder, and the run's end
     # does not count it done.
     assert not seen.check(["rdzv/pod1/left"]) and rendezvous.generation(seen) == 1
-    [pod1] = _supervisors(spec, tmp_path, 2, 2, port=port, only=1)  # the replacement pod
+    [pod1] = _supervisors(spec, tmp_path, 2, 2, NO_SPARES, port=port, only=1)  # replacement
     codes = _wait([pod0, pod1], tmp_path)
     text = _logs(tmp_path)
     assert codes == [0, 0], text
@@ -409,7 +420,7 @@ def test_a_pod_stopped_alone_with_no_recovery_left_stops_the_gang_with_143(tmp_p
     """``inPlaceLimit: 0``: no round to wait in, so every rank leaves with the stop's checkpoint
     and 143, as a whole-gang stop does; never 75 ("gave up recovering in place")."""
     spec = _spec(tmp_path, 500, intervalSteps=1000)
-    pod0, pod1 = _supervisors(spec, tmp_path, 2, 2, "--in-place-limit=0")
+    pod0, pod1 = _supervisors(spec, tmp_path, 2, 2, "--in-place-limit=0", NO_SPARES)
     log = _wait_for_step(pod0, tmp_path)
     pod1.send_signal(signal.SIGTERM)
     assert _wait([pod0, pod1], tmp_path) == [exitcodes.STOPPED] * 2, _logs(tmp_path)
@@ -419,15 +430,15 @@ def test_a_pod_stopped_alone_with_no_recovery_left_stops_the_gang_with_143(tmp_p
 
 @pytest.mark.slow
 def test_past_the_in_place_limit_the_supervisor_exits_for_a_gang_rebuild(tmp_path: Path) -> None:
-    spec = _spec(tmp_path, 4)
+    spec = _spec(tmp_path, 4, ranks=2)
     termination = tmp_path / "termination-log"
     procs = _supervisors(
         spec,
         tmp_path,
         1,
-        4,
+        2,
         "--in-place-limit=0",
-        "--warm-spares=0",
+        NO_SPARES,
         **{faults.ENV: "1:2", "MESHTRAIN_TERMINATION_LOG": str(termination)},
     )
     assert _wait(procs, tmp_path) == [exitcodes.GANG_RESTART], _logs(tmp_path)
@@ -437,14 +448,14 @@ def test_past_the_in_place_limit_the_supervisor_exits_for_a_gang_rebuild(tmp_pat
 
 @pytest.mark.slow
 def test_a_permanent_worker_code_passes_through(tmp_path: Path) -> None:
-    spec = _spec(tmp_path, 2)
+    spec = _spec(tmp_path, 2, ranks=2)
     termination = tmp_path / "termination-log"
     procs = _supervisors(
         spec,
         tmp_path,
         1,
-        4,
-        "--warm-spares=0",
+        2,
+        NO_SPARES,
         trainer=("--set", "training.steps=-1"),  # refused by every worker: exit 2
         MESHTRAIN_TERMINATION_LOG=str(termination),
     )
@@ -455,8 +466,8 @@ def test_a_permanent_worker_code_passes_through(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_sigterm_stops_every_rank_after_a_checkpoint(tmp_path: Path) -> None:
-    spec = _spec(tmp_path, 500, intervalSteps=1000)
-    [proc] = _supervisors(spec, tmp_path, 1, 4)
+    spec = _spec(tmp_path, 500, ranks=2, intervalSteps=1000)
+    [proc] = _supervisors(spec, tmp_path, 1, 2, NO_SPARES)
     log = _wait_for_step(proc, tmp_path)
     proc.send_signal(signal.SIGTERM)
     assert _wait([proc], tmp_path) == [exitcodes.STOPPED], _logs(tmp_path)
@@ -471,12 +482,12 @@ def test_sigterm_with_no_time_to_save_is_a_stop_never_a_gang_rebuild(tmp_path: P
     """A kubelet that refuses a running pod after its restart, or a deletion with a short grace,
     kills the workers before they save: the pod still exits 143, so the operator waits for the
     kubelet's own reason and never reads the trainer "giving up in place" (75)."""
-    spec = _spec(tmp_path, 500, intervalSteps=1000)
-    [proc] = _supervisors(spec, tmp_path, 1, 4, "--shutdown-timeout", "0")
+    spec = _spec(tmp_path, 500, ranks=2, intervalSteps=1000)
+    [proc] = _supervisors(spec, tmp_path, 1, 2, NO_SPARES, "--shutdown-timeout", "0")
     _wait_for_step(proc, tmp_path)
     proc.send_signal(signal.SIGTERM)
     assert _wait([proc], tmp_path) == [exitcodes.STOPPED], _logs(tmp_path)
-    assert "workers ended without saving: " + ", ".join(["SIGKILL"] * 4) in _logs(tmp_path)
+    assert "workers ended without saving: " + ", ".join(["SIGKILL"] * 2) in _logs(tmp_path)
     assert not store.scan(tmp_path / "checkpoints"), "no worker had time to save"
 
 
@@ -487,7 +498,7 @@ def test_losing_pod_0_and_its_store_sends_every_pod_to_a_gang_rebuild(tmp_path: 
     spec.write_text(yaml.safe_dump(raw))
     termination = tmp_path / "termination-log"
     pod0, pod1 = _supervisors(
-        spec, tmp_path, 2, 1, "--warm-spares=0", MESHTRAIN_TERMINATION_LOG=str(termination)
+        spec, tmp_path, 2, 1, NO_SPARES, MESHTRAIN_TERMINATION_LOG=str(termination)
     )
     _wait_for_step(pod1, tmp_path)
     os.killpg(pod0.pid, signal.SIGKILL)  # pod 0: the store, its supervisor and its worker
@@ -516,19 +527,22 @@ def _store_pod(out: Path, port: int, pods: int, local: int) -> subprocess.Popen[
 def test_with_a_store_pod_a_replaced_pod_0_rejoins_while_pod_1_keeps_its_processes(
     tmp_path: Path, unfaulted: tuple[Path, Path]
 ) -> None:
-    """``rendezvousStore: dedicated``: pod 0 (its supervisor, workers and spare) SIGKILLed and a
+    """``rendezvousStore: dedicated``: pod 0 (its supervisor and workers) SIGKILLed and a
     replacement pod (another UID) started in its slot; the store lives on in its own pod, pod 1's
     ranks keep their processes, and the run ends exactly as the unfaulted one.  The store pod
     leaves with 0 once every pod left."""
     spec, reference = unfaulted
     port = launch.free_port()
     store_pod = _store_pod(tmp_path, port, 2, 2)
-    pod0, pod1 = _supervisors(spec, tmp_path, 2, 2, "--store=dedicated", port=port)
+    pod0, pod1 = _supervisors(spec, tmp_path, 2, 2, NO_SPARES, "--store=dedicated", port=port)
     _wait_for_step(pod1, tmp_path, 2)
     os.killpg(pod0.pid, signal.SIGKILL)
     pod0.wait()
     [pod0] = _supervisors(
-        spec, tmp_path, 2, 2, "--store=dedicated", port=port, only=0, MESHTRAIN_POD_UID="new-0"
+        *(spec, tmp_path, 2, 2, NO_SPARES, "--store=dedicated"),
+        port=port,
+        only=0,
+        MESHTRAIN_POD_UID="new-0",
     )
     codes = _wait([pod0, pod1, store_pod], tmp_path)
     text = _logs(tmp_path)
@@ -546,7 +560,7 @@ def test_losing_the_store_pod_sends_every_pod_to_a_gang_rebuild(tmp_path: Path) 
     spec.write_text(yaml.safe_dump(raw))
     port = launch.free_port()
     store_pod = _store_pod(tmp_path, port, 2, 1)
-    pods = _supervisors(spec, tmp_path, 2, 1, "--warm-spares=0", "--store=dedicated", port=port)
+    pods = _supervisors(spec, tmp_path, 2, 1, NO_SPARES, "--store=dedicated", port=port)
     _wait_for_step(pods[0], tmp_path)
     os.killpg(store_pod.pid, signal.SIGKILL)
     assert _wait(pods, tmp_path, timeout=120) == [exitcodes.GANG_RESTART] * 2, _logs(tmp_path)
