@@ -34,8 +34,13 @@ DEVICE_ERROR = 78
 """A supervised rank's GPU failed under it (an uncorrectable ECC or NVLink error, the GPU lost:
 ``meshtrain.trainer.recovery.device_fault``): a worker's code, never a pod's.  Its supervisor
 recovers it in place like any failed rank, and counts it against that GPU."""
+DEVICE_LOST = 80
+"""A supervised rank's GPU is gone (NVML's "GPU is lost", the driver's "fallen off the bus"): a
+worker's code, never a pod's.  Such a GPU does not come back without a reset of the device or the
+node, so its supervisor takes it for bad at the first time instead of replaying a step on it."""
 DEVICE_SUSPECT = 79
-"""The same GPU of the pod failed with :data:`DEVICE_ERROR` twice within an hour: its supervisor
+"""The same GPU of the pod failed with :data:`DEVICE_ERROR` twice within an hour, or once with
+:data:`DEVICE_LOST`: its supervisor
 takes the GPU (or its node) for bad, stops its ranks and exits with it.  The operator treats the
 pod as lost by its node: replaced alone on another node while the other pods wait at the round,
 or the gang rebuilt without the node, which ``status.excludedNodes`` names at once either way (a

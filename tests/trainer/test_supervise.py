@@ -360,6 +360,26 @@ def test_a_bad_gpu_under_pod_0_hosting_the_store_halts_the_gang(
 
 
 @pytest.mark.slow
+def test_a_gpu_gone_from_the_bus_sends_its_pod_away_at_the_first_failure(tmp_path: Path) -> None:
+    """Rank 1's GPU falls off the bus before step 2: no rank is started on it again; the pod
+    leaves with 79 at once, naming the GPU gone in its termination log."""
+    spec = _spec(tmp_path, 4, ranks=2)
+    termination = tmp_path / "termination-log"
+    procs = _supervisors(
+        *(spec, tmp_path, 1, 2, NO_SPARES),
+        MESHTRAIN_TERMINATION_LOG=str(termination),
+        **{faults.ENV: "1:2:lost"},
+    )
+    assert _wait(procs, tmp_path, timeout=240) == [exitcodes.DEVICE_SUSPECT], _logs(tmp_path)
+    log = (tmp_path / "sup-0.log").read_text()
+    assert log.count("rank 1 meets a GPU error before step 2") == 1, log
+    assert f"failed (exit {exitcodes.DEVICE_LOST})" in log, log
+    report = exitcodes.read_failure_report(termination.read_text())
+    assert report is not None and report[0] == exitcodes.DEVICE_SUSPECT, report
+    assert "is gone" in report[1] and "taking it for bad" in report[1], report
+
+
+@pytest.mark.slow
 def test_a_restarted_pod_rejoins_while_the_other_keeps_its_processes(
     tmp_path: Path, unfaulted: tuple[Path, Path]
 ) -> None:

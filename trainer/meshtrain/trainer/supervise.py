@@ -14,8 +14,8 @@ always ends in ``STOPPED`` or a permanent code (a pod stopped from outside); ``G
 (75) when in-place recovery is off, exhausted or impossible (rejoin timeout, store gone);
 ``SUPERSEDED`` (76) when a newer incarnation of this pod took over (a pod declared lost whose
 containers still ran: it is fenced off and leaves without touching the gang); ``DEVICE_SUSPECT``
-(79) when one of its GPUs failed twice within an hour (:mod:`.recovery.device_fault`: the pod
-leaves to be replaced on another node).
+(79) when one of its GPUs failed twice within an hour, or is gone (:mod:`.recovery.device_fault`:
+the pod leaves to be replaced on another node).
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ MAX_REAPED = 64
 LEAVE_GRACE_S = 2.0
 """SIGTERM to SIGKILL for the ranks of a pod leaving a bad GPU: blocked in collectives behind the
 failed rank, they cannot save anything (the gang resumes from the peers' copies or storage)."""
+DEVICE_CODES = (exitcodes.DEVICE_ERROR, exitcodes.DEVICE_LOST)
+"""A worker's codes for its GPU failing under it: counted against that GPU."""
 STORE_CONNECT_S = 60.0
 """How long a supervisor tries to reach pod 0's store at its start."""
 STORE_POD_CONNECT_S = generations.FIRST_JOIN_TIMEOUT_S
@@ -342,8 +344,9 @@ class Supervisor:
             _say(self.pod, f"rank {rank} pid {child.pid} failed ({cause(code)})")
             if not self.config.in_place:
                 return self.give_up(f"rank {rank} failed ({cause(code)}); in-place recovery is off")
-            if code == exitcodes.DEVICE_ERROR and self.devices.failed(local_rank, time.monotonic()):
-                return self.leave_bad_device(rank, local_rank)
+            lost = code == exitcodes.DEVICE_LOST
+            if code in DEVICE_CODES and self.devices.failed(local_rank, time.monotonic(), lost):
+                return self.leave_bad_device(rank, local_rank, lost)
             failure = rendezvous.Failure("process", cause(code), (rank,), time.time())
             rendezvous.ranks_failed(self.store, (rank,), failure, self.config.in_place_limit)
             if rendezvous.halted(self.store) is None:
@@ -368,16 +371,15 @@ class Supervisor:
                 return
             os.waitpid(found.si_pid, 0)
 
-    def leave_bad_device(self, rank: int, local_rank: int) -> int:
+    def leave_bad_device(self, rank: int, local_rank: int, lost: bool) -> int:
         """Stop this pod's ranks and leave with :data:`exitcodes.DEVICE_SUSPECT`, for the operator
         to place the pod elsewhere.  The ranks are stopped first (none joins a round the pod
         leaves), then the gang told: its ranks are failed, and the round waits for the pod's
         replacement; a pod hosting the store halts the gang instead and does not linger (the
         store leaves with it: the operator rebuilds the gang without the node)."""
-        window = device_fault.SUSPECT_WINDOW_S
+        what = "is gone" if lost else f"failed twice within {device_fault.SUSPECT_WINDOW_S:.0f} s"
         why = (
-            f"rank {rank}'s GPU ({device_fault.which_gpu(local_rank, os.environ)}) failed twice "
-            f"within {window:.0f} s: "
+            f"rank {rank}'s GPU ({device_fault.which_gpu(local_rank, os.environ)}) {what}: "
             "taking it for bad; this pod leaves to be placed on another node"
         )
         _say(self.pod, f"{why}: exit {exitcodes.DEVICE_SUSPECT}")
@@ -386,7 +388,8 @@ class Supervisor:
             rendezvous.halt(self.store, exitcodes.GANG_RESTART)
         else:
             ranks = tuple(range(self.pod * self.local, (self.pod + 1) * self.local))
-            failure = rendezvous.Failure("pod", "GPU failed twice", ranks, time.time())
+            reason = "GPU lost" if lost else "GPU failed twice"
+            failure = rendezvous.Failure("pod", reason, ranks, time.time())
             rendezvous.ranks_failed(self.store, ranks, failure, self.config.in_place_limit)
         progress.write_failure(exitcodes.DEVICE_SUSPECT, why)
         return exitcodes.DEVICE_SUSPECT

@@ -8,6 +8,7 @@ process groups frees them).  A supervised worker fails so only in generation 0: 
 takes its rank, or the same process in the next round, replays the step.  ``rank:step:device``
 raises an uncorrectable ECC error there in every generation, as a GPU gone bad would: its
 supervisor takes the GPU for bad at the second (:mod:`meshtrain.trainer.recovery.device_fault`).
+``rank:step:lost`` raises the driver's words for a GPU fallen off the bus: taken for bad at once.
 ``MESHTRAIN_FAULT_NODE=name`` keeps the fault to a pod on that node (``MESHTRAIN_NODE_NAME``, the
 node the pod was bound to), as a bad GPU fails only where it is: a replacement placed elsewhere
 runs clean.
@@ -38,17 +39,19 @@ OWN_COMPUTE_STEPS = 5
 """Steps of this rank's own compute whose median sizes the injected sleep."""
 
 
-MODES = ("kill", "hang", "device")
+MODES = ("kill", "hang", "device", "lost")
 """What ``rank:step:MODE`` does instead of exiting with :data:`EXIT_CODE`."""
 DEVICE_ERROR_TEXT = "CUDA error: uncorrectable ECC error encountered (injected)"
 """What a ``:device`` fault raises: torch's words for a GPU whose memory failed."""
+DEVICE_LOST_TEXT = "CUDA error: GPU has fallen off the bus (injected)"
+"""What a ``:lost`` fault raises: the driver's words (Xid 79) for a GPU gone."""
 HANG_TAG = 7919
 """The tag of the hung rank's receive: no send of the trainer's own uses it."""
 
 
 def parse(value: str | None) -> tuple[int, int] | None:
     """``"3:2"`` -> (rank 3, step 2); empty -> None; a mode after the step (``"3:2:kill"``,
-    ``"3:2:hang"``, ``"3:2:device"``) parses the same."""
+    ``"3:2:hang"``, ``"3:2:device"``, ``"3:2:lost"``) parses the same."""
     if not value:
         return None
     parts = value.split(":")
@@ -58,22 +61,22 @@ def parse(value: str | None) -> tuple[int, int] | None:
         rank, step = (int(part) for part in parts)
     except ValueError:
         raise ValueError(
-            f"{ENV}={value!r}: expected RANK:STEP[:kill|:hang|:device], e.g. 3:2"
+            f"{ENV}={value!r}: expected RANK:STEP[:{'|:'.join(MODES)}], e.g. 3:2"
         ) from None
     return rank, step
 
 
 def maybe_fail(rank: int, step: int, generation: int = 0) -> None:
     """Die here if the fault-injection variable says so (only in ``generation`` 0; a ``:device``
-    fault in every generation)."""
+    or ``:lost`` fault in every generation)."""
     value = os.environ.get(ENV)
     target = parse(value)
     if target is None or not _on_faulty_node():
         return
-    if target == (rank, step) and value and value.endswith(":device"):
+    if target == (rank, step) and value and value.endswith((":device", ":lost")):
         sys.stderr.write(f"{ENV}: rank {rank} meets a GPU error before step {step}\n")
         sys.stderr.flush()
-        raise RuntimeError(DEVICE_ERROR_TEXT)
+        raise RuntimeError(DEVICE_LOST_TEXT if value.endswith(":lost") else DEVICE_ERROR_TEXT)
     if target == (rank, step) and generation == 0:
         if value and value.endswith(":hang"):
             _hang(rank, step)

@@ -11,7 +11,8 @@ CUDA context unusable (it is sticky), so the rank's process ends with
 local rank, so the same GPU, failing so again within :data:`SUSPECT_WINDOW_S` is a bad device or
 node (a healthy GPU does so about once in months): its supervisor leaves with
 :data:`exitcodes.DEVICE_SUSPECT`, and the operator replaces the pod on another node, excluding
-this one.
+this one.  A GPU gone from the bus (:data:`LOST_MARKS`) ends its rank with
+:data:`exitcodes.DEVICE_LOST` and is taken for bad at once: no step replayed on it can succeed.
 """
 
 from __future__ import annotations
@@ -20,12 +21,9 @@ from collections.abc import Mapping
 
 SUSPECT_WINDOW_S = 3600.0
 """Two device errors of one GPU within this long take it for bad."""
-HARDWARE_MARKS = (
-    "uncorrectable ecc error",
-    "uncorrectable nvlink error",
-    "gpu is lost",
-    "fallen off the bus",
-)
+LOST_MARKS = ("gpu is lost", "fallen off the bus")
+"""Lower-case texts of a GPU gone: NVML's ``NVML_ERROR_GPU_IS_LOST`` and the driver's Xid 79."""
+HARDWARE_MARKS = ("uncorrectable ecc error", "uncorrectable nvlink error", *LOST_MARKS)
 """Lower-case texts of the CUDA runtime's, NVML's and the driver's errors that only a failing
 device (or its node) causes: ``cudaErrorECCUncorrectable``, ``cudaErrorNvlinkUncorrectable``, and
 a GPU gone.  Not "hardware stack error" (a kernel's own stack overflow reads so), "unknown error"
@@ -41,6 +39,12 @@ def is_device_error(err: BaseException) -> bool:
     return any(mark in text for mark in HARDWARE_MARKS)
 
 
+def is_device_lost(err: BaseException) -> bool:
+    """Whether ``err`` says the GPU is gone (a device error no replay on it survives)."""
+    text = str(err).lower()
+    return is_device_error(err) and any(mark in text for mark in LOST_MARKS)
+
+
 class DeviceFailures:
     """The newest device error of each local rank (each GPU) of one pod, on its supervisor's clock."""
 
@@ -48,11 +52,12 @@ class DeviceFailures:
         self.window_s = window_s
         self.last: dict[int, float] = {}
 
-    def failed(self, local_rank: int, now: float) -> bool:
-        """Note a device error of ``local_rank``; whether its GPU is now taken for bad."""
+    def failed(self, local_rank: int, now: float, lost: bool = False) -> bool:
+        """Note a device error of ``local_rank`` (``lost``: its GPU is gone); whether its GPU is
+        now taken for bad."""
         before = self.last.get(local_rank)
         self.last[local_rank] = now
-        return before is not None and now - before <= self.window_s
+        return lost or (before is not None and now - before <= self.window_s)
 
 
 def which_gpu(local_rank: int, environ: Mapping[str, str]) -> str:

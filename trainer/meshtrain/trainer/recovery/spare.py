@@ -2,8 +2,8 @@
 
 Imports torch and the trainer's heavy modules first, then waits on stdin for its assignment
 (:func:`.spares.assign`) and runs :func:`meshtrain.trainer.worker.main` as that rank.  A GPU
-failing under the rank ends it with :data:`exitcodes.DEVICE_ERROR` (:mod:`.device_fault`), which
-its supervisor counts against that GPU.
+failing under the rank ends it with :data:`exitcodes.DEVICE_ERROR` (:data:`exitcodes.DEVICE_LOST`
+for a GPU gone; :mod:`.device_fault`), which its supervisor counts against that GPU.
 """
 
 from __future__ import annotations
@@ -32,12 +32,11 @@ def main() -> int:
         if not device_fault.is_device_error(err):
             raise
         traceback.print_exc()
-        print(
-            f"meshtrain worker: the GPU failed under this rank: exit {exitcodes.DEVICE_ERROR}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return exitcodes.DEVICE_ERROR
+        lost = device_fault.is_device_lost(err)
+        code = exitcodes.DEVICE_LOST if lost else exitcodes.DEVICE_ERROR
+        what = "is gone" if lost else "failed under this rank"
+        print(f"meshtrain worker: the GPU {what}: exit {code}", file=sys.stderr, flush=True)
+        return code
 
 
 if __name__ == "__main__":
