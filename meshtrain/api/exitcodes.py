@@ -31,21 +31,21 @@ it was thought lost; ``MESHTRAIN_POD_UID`` registered in the rendezvous store): 
 stops its workers and exits with it, so a slot never has two live holders.  Not restarted in
 place; the operator has already superseded the pod."""
 DEVICE_ERROR = 78
-"""A supervised rank's GPU failed under it (an uncorrectable ECC or NVLink error, the GPU lost:
+"""A supervised rank's GPU failed under it (an uncorrectable ECC or NVLink error:
 ``meshtrain.trainer.recovery.device_fault``): a worker's code, never a pod's.  Its supervisor
 recovers it in place like any failed rank, and counts it against that GPU."""
-DEVICE_LOST = 80
-"""A supervised rank's GPU is gone (NVML's "GPU is lost", the driver's "fallen off the bus"): a
-worker's code, never a pod's.  Such a GPU does not come back without a reset of the device or the
-node, so its supervisor takes it for bad at the first time instead of replaying a step on it."""
 DEVICE_SUSPECT = 79
 """The same GPU of the pod failed with :data:`DEVICE_ERROR` twice within an hour, or once with
-:data:`DEVICE_LOST`: its supervisor
-takes the GPU (or its node) for bad, stops its ranks and exits with it.  The operator treats the
-pod as lost by its node: replaced alone on another node while the other pods wait at the round,
-or the gang rebuilt without the node, which ``status.excludedNodes`` names at once either way (a
-disruption: not counted against ``backoffLimit``).  The kubelet never restarts a container in
-place on it."""
+:data:`DEVICE_LOST`: its supervisor takes the GPU (or its node) for bad, stops its ranks and
+exits with it.  The operator treats the pod as lost by its node: replaced alone on another node
+while the other pods wait at the round, or the gang rebuilt without the node, which
+``status.excludedNodes`` names at once either way (a disruption: not counted against
+``backoffLimit``).  The kubelet never restarts a container in place on it."""
+DEVICE_LOST = 80
+"""A supervised rank's GPU is gone (NVML's "GPU is lost", the kernel log's "fallen off the bus"): a
+worker's code, never a pod's.  Such a GPU does not come back without a reset of the device or the
+node, so its supervisor takes it for bad at the first failure (in-place recovery on or off)
+instead of replaying a step on it."""
 STOPPED = 128 + signal.SIGTERM
 """A rank stopped on a signal, after saving its last step when the grace allowed; never 0, so a
 stopped pod does not read as finished, and never read as the trainer giving up (75)."""

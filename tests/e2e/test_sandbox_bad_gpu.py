@@ -10,7 +10,7 @@ termination log.  From what the real kubelet reports then:
 - pod 1's trainer container terminated with exit code 79 and the supervisor's words;
 - node A goes into ``status.excludedNodes`` (reason ``BadGPU``), with a Warning Event ``BadGPU``
   on the Node itself naming the job, the pod and the rank;
-- pod 1 alone is replaced, on node B (the pod tier, cause "a GPU failed twice"); pod 0 is the
+- pod 1 alone is replaced, on node B (the pod tier, cause "a GPU taken for bad"); pod 0 is the
   very same pod, still on node A (the exclusion keeps only new placements away);
 - the job trains to Succeeded with no gang rebuild and no ``backoffLimit`` spent.
 """
@@ -126,7 +126,7 @@ def test_a_gpu_that_fails_twice_sends_its_pod_to_another_node_and_the_job_succee
     ), "pod 0 was never deleted while it trained"
 
     [replaced] = _job_events(paths, name, "PodReplaced")
-    assert "a GPU failed twice" in replaced["message"], replaced
+    assert "a GPU taken for bad" in replaced["message"], replaced
     on_node = [
         e
         for e in _events(paths, "default", bad_gpus.REASON)

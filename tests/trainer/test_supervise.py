@@ -361,22 +361,41 @@ def test_a_bad_gpu_under_pod_0_hosting_the_store_halts_the_gang(
 
 @pytest.mark.slow
 def test_a_gpu_gone_from_the_bus_sends_its_pod_away_at_the_first_failure(tmp_path: Path) -> None:
-    """Rank 1's GPU falls off the bus before step 2: no rank is started on it again; the pod
-    leaves with 79 at once, naming the GPU gone in its termination log."""
+    """Rank 1 (pod 1's only GPU) falls off the bus before step 2: no process is started on it
+    again; pod 1 leaves with 79 at once, naming the GPU gone, while pod 0 keeps its process and
+    waits at the round; the replacement pod joins it and the round's record says why."""
     spec = _spec(tmp_path, 4, ranks=2)
+    port = launch.free_port()
     termination = tmp_path / "termination-log"
-    procs = _supervisors(
-        *(spec, tmp_path, 1, 2, NO_SPARES),
+    pod0, pod1 = _supervisors(
+        *(spec, tmp_path, 2, 1, NO_SPARES),
+        port=port,
         MESHTRAIN_TERMINATION_LOG=str(termination),
         **{faults.ENV: "1:2:lost"},
     )
-    assert _wait(procs, tmp_path, timeout=240) == [exitcodes.DEVICE_SUSPECT], _logs(tmp_path)
-    log = (tmp_path / "sup-0.log").read_text()
+    assert _wait([pod1], tmp_path, timeout=240) == [exitcodes.DEVICE_SUSPECT], _logs(tmp_path)
+    log = (tmp_path / "sup-1.log").read_text()
     assert log.count("rank 1 meets a GPU error before step 2") == 1, log
     assert f"failed (exit {exitcodes.DEVICE_LOST})" in log, log
     report = exitcodes.read_failure_report(termination.read_text())
     assert report is not None and report[0] == exitcodes.DEVICE_SUSPECT, report
     assert "is gone" in report[1] and "taking it for bad" in report[1], report
+    assert "a drill" in report[1], report  # the job set MESHTRAIN_FAULT_INJECT
+    assert pod0.poll() is None, _logs(tmp_path)  # waiting in place
+    [pod1] = _supervisors(spec, tmp_path, 2, 1, NO_SPARES, port=port, only=1)  # a healthy GPU
+    assert _wait([pod0, pod1], tmp_path) == [0, 0], _logs(tmp_path)
+    records = recoveries.read(tmp_path / "logs" / recoveries.FILENAME)
+    assert any("GPU lost" in r["cause"] and 1 in r["ranks"] for r in records), records
+
+
+@pytest.mark.slow
+def test_a_gpu_gone_without_in_place_recovery_still_sends_its_pod_away(tmp_path: Path) -> None:
+    """``inPlace: false``: the lost GPU needs no count, so the pod still leaves with 79 (its
+    node excluded), halting the gang, rather than 75, a rebuild that may land on the node again."""
+    spec = _spec(tmp_path, 4, {"inPlace": False}, ranks=2)
+    procs = _supervisors(spec, tmp_path, 1, 2, NO_SPARES, **{faults.ENV: "1:2:lost"})
+    assert _wait(procs, tmp_path, timeout=240) == [exitcodes.DEVICE_SUSPECT], _logs(tmp_path)
+    assert "is gone: taking it for bad" in _logs(tmp_path)
 
 
 @pytest.mark.slow

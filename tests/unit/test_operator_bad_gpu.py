@@ -77,7 +77,7 @@ def test_a_pod_that_left_a_bad_gpu_is_replaced_alone_and_its_node_excluded_at_on
     replace = decision.actions[2]
     assert isinstance(replace, job_actions.ReplacePods)
     assert replace.indices == (2,) and replace.avoid == ("n2",)
-    assert replace.causes == ((2, "j-r0-2", "a GPU failed twice"),)
+    assert replace.causes == ((2, "j-r0-2", "a GPU taken for bad"),)
     # No room for it alone: the rebuild excludes the node too, and spends no backoffLimit.
     fallback = status_of(job_actions.Decision(replace.otherwise))
     assert fallback["restarts"] == 1 and fallback["disruptionRestarts"] == 1, fallback
@@ -130,7 +130,7 @@ def test_pod_zero_hosting_the_store_rebuilds_the_gang_without_its_node_as_a_disr
     )
     running = condition(decision, conditions.RUNNING)
     assert running is not None and running["reason"] == conditions.BAD_GPU, running
-    assert "n0 excluded: a GPU failed twice" in running["message"], running
+    assert "n0 excluded: a GPU there taken for bad" in running["message"], running
 
 
 def test_a_job_failed_by_its_disruption_budget_still_tells_the_bad_gpus_node():
@@ -146,11 +146,11 @@ def test_a_job_failed_by_its_disruption_budget_still_tells_the_bad_gpus_node():
 
 
 def test_a_workers_device_error_is_never_a_pods_and_other_exits_exclude_nothing():
-    """78 is a worker's code that its supervisor handles, and 79 without the supervisor's report
-    is a custom program's own: a pod exiting with either failed by its own doing (counted, no
-    node excluded)."""
+    """78 and 80 are a worker's codes that its supervisor handles, and 79 without the
+    supervisor's report is a custom program's own: a pod exiting with any of them failed by its
+    own doing (counted, no node excluded)."""
     raw = spec()
-    for code in (exitcodes.DEVICE_ERROR, exitcodes.DEVICE_SUSPECT, 1):
+    for code in (exitcodes.DEVICE_ERROR, exitcodes.DEVICE_LOST, exitcodes.DEVICE_SUSPECT, 1):
         pods = _gang(raw, p2=_pod(raw, 2, "Failed", _terminated(code)))
         decision = lifecycle.decide(job(raw, **three()), pods, at(5))
         status = status_of(decision)

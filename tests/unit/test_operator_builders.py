@@ -422,6 +422,7 @@ def test_the_built_in_trainer_is_restarted_in_place_by_the_kubelet_when_it_dies(
     codes = set(rule["exitCodes"]["values"])
     assert {1, 134, 137, 139} <= codes
     never = {0, exitcodes.GANG_RESTART, exitcodes.STOPPED, exitcodes.INTERRUPTED}
+    never |= {exitcodes.FENCED, exitcodes.DEVICE_SUSPECT}  # superseded; a bad GPU's node
     assert not codes & (never | set(exitcodes.PERMANENT))
     env = env_of(builders.build_pod(REF, spec, 0, 0, "n-a"))
     assert env[kubelet_tier.ENV_IN_PLACE] == "1" and env[kubelet_tier.ENV_IN_PLACE_LIMIT] == "10"

@@ -180,7 +180,7 @@ class ExcludedNode(base.StatusModel):
     node: str = Field(description="Node name.")
     reason: str = Field(
         description="Why: Straggler, Disrupted (it disrupted the job twice), or BadGPU (a GPU of"
-        " the job's pod there failed twice within an hour)."
+        " the job's pod there failed twice within an hour, or is gone)."
     )
     message: str = Field(
         "",
@@ -399,7 +399,7 @@ class TrainingJobStatus(base.StatusModel):
     excluded_nodes: list[ExcludedNode] = Field(
         default_factory=list,
         description="Nodes a straggler was replaced on, that disrupted the job twice, or where a GPU"
-        " of its pod failed twice; each is left out of this job's placements for 24 h after its"
+        " of its pod was taken for bad; each is left out of this job's placements for 24 h after its"
         " time.",
     )
     straggler_replacements: int = Field(

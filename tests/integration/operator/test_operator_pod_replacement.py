@@ -221,7 +221,7 @@ def test_a_pod_that_left_a_bad_gpu_is_replaced_alone_on_another_node_which_is_ex
     [entry] = status["excludedNodes"]
     assert (entry["node"], entry["reason"]) == (bad, "BadGPU") and BAD_GPU_WHY in entry["message"]
     (event,) = cluster.events(namespace, "ecc", "PodReplaced")
-    assert "a GPU failed twice" in event.message, event.message
+    assert "a GPU taken for bad" in event.message, event.message
     _told_on_node(cluster, bad, f"TrainingJob {namespace}/ecc")
     kept = {n: u for n, u in before.items() if n != "ecc-r0-1"}
     now = {p.metadata.name: p.metadata.uid for p in cluster.pods(namespace, "ecc")}

@@ -35,6 +35,7 @@ from types import FrameType
 from typing import Any
 
 from meshtrain.api import exitcodes, loading
+from meshtrain.api.spec import pod as pod_spec
 from meshtrain.api.spec import run_policy
 from meshtrain.planner import host_model
 from meshtrain.trainer import launch
@@ -60,8 +61,6 @@ MAX_REAPED = 64
 LEAVE_GRACE_S = 2.0
 """SIGTERM to SIGKILL for the ranks of a pod leaving a bad GPU: blocked in collectives behind the
 failed rank, they cannot save anything (the gang resumes from the peers' copies or storage)."""
-DEVICE_CODES = (exitcodes.DEVICE_ERROR, exitcodes.DEVICE_LOST)
-"""A worker's codes for its GPU failing under it: counted against that GPU."""
 STORE_CONNECT_S = 60.0
 """How long a supervisor tries to reach pod 0's store at its start."""
 STORE_POD_CONNECT_S = generations.FIRST_JOIN_TIMEOUT_S
@@ -342,11 +341,12 @@ class Supervisor:
                 self.stop_workers(self.args.shutdown_timeout)
                 return code
             _say(self.pod, f"rank {rank} pid {child.pid} failed ({cause(code)})")
+            if code == exitcodes.DEVICE_LOST:  # gone for good: no count, in place or not
+                return self.leave_bad_device(rank, local_rank, lost=True)
             if not self.config.in_place:
                 return self.give_up(f"rank {rank} failed ({cause(code)}); in-place recovery is off")
-            lost = code == exitcodes.DEVICE_LOST
-            if code in DEVICE_CODES and self.devices.failed(local_rank, time.monotonic(), lost):
-                return self.leave_bad_device(rank, local_rank, lost)
+            if code == exitcodes.DEVICE_ERROR and self.devices.failed(local_rank, time.monotonic()):
+                return self.leave_bad_device(rank, local_rank, lost=False)
             failure = rendezvous.Failure("process", cause(code), (rank,), time.time())
             rendezvous.ranks_failed(self.store, (rank,), failure, self.config.in_place_limit)
             if rendezvous.halted(self.store) is None:
@@ -375,16 +375,18 @@ class Supervisor:
         """Stop this pod's ranks and leave with :data:`exitcodes.DEVICE_SUSPECT`, for the operator
         to place the pod elsewhere.  The ranks are stopped first (none joins a round the pod
         leaves), then the gang told: its ranks are failed, and the round waits for the pod's
-        replacement; a pod hosting the store halts the gang instead and does not linger (the
-        store leaves with it: the operator rebuilds the gang without the node)."""
+        replacement; a pod hosting the store, or one whose gang does not recover in place, halts
+        the gang instead and does not linger (the operator rebuilds the gang without the node)."""
         what = "is gone" if lost else f"failed twice within {device_fault.SUSPECT_WINDOW_S:.0f} s"
         why = (
             f"rank {rank}'s GPU ({device_fault.which_gpu(local_rank, os.environ)}) {what}: "
             "taking it for bad; this pod leaves to be placed on another node"
         )
+        if any(os.environ.get(name) for name in pod_spec.FAULT_ENV_NAMES):
+            why += " (a drill: the job sets MESHTRAIN_FAULT_*; the node may be healthy)"
         _say(self.pod, f"{why}: exit {exitcodes.DEVICE_SUSPECT}")
         self.stop_workers(min(LEAVE_GRACE_S, self.args.shutdown_timeout))
-        if self.beats.watch is not None:  # this pod hosts the store
+        if self.beats.watch is not None or not self.config.in_place:  # no round to wait in
             rendezvous.halt(self.store, exitcodes.GANG_RESTART)
         else:
             ranks = tuple(range(self.pod * self.local, (self.pod + 1) * self.local))

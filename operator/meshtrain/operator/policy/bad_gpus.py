@@ -1,6 +1,6 @@
 """A pod that left a bad GPU: its node is excluded from the job at once, whatever follows.
 
-A supervisor whose GPU failed twice within an hour exits ``DEVICE_SUSPECT`` (79,
+A supervisor whose GPU failed twice within an hour, or is gone, exits ``DEVICE_SUSPECT`` (79,
 ``meshtrain.trainer.recovery.device_fault``; ``PodState.left_bad_gpu``).  The pod is lost by its
 node: the pod tier replaces it alone elsewhere (``pod_loss``), or the gang is rebuilt
 (``failure``), a disruption either way.  Both write the node into ``status.excludedNodes``
@@ -82,8 +82,8 @@ def told_first(
 
 
 def describe(pods: Sequence[pod_state.PodState]) -> str:
-    """``; node(s) n1 excluded: a GPU failed twice there`` for the pods that left a bad GPU."""
+    """``; node(s) n1 excluded: a GPU there taken for bad`` for the pods that left a bad GPU."""
     nodes = sorted({p.node for p in pods if p.left_bad_gpu and p.node})
     if not nodes:
         return ""
-    return f"; node(s) {', '.join(nodes)} excluded: a GPU failed twice there"
+    return f"; node(s) {', '.join(nodes)} excluded: a GPU there taken for bad"

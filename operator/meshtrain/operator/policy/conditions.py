@@ -54,8 +54,8 @@ POD_REPLACED = "PodReplaced"
 POD_NOT_REPLACED = "PodNotReplaced"
 """Event: a lost pod could not be replaced alone (no room in its domain): the gang is rebuilt."""
 BAD_GPU = "BadGPU"
-"""A pod's supervisor took one of its GPUs for bad (the same GPU failed twice within an hour, exit
-79): the pod is placed again without its node, which ``status.excludedNodes`` names."""
+"""A pod's supervisor took one of its GPUs for bad (the same GPU failed twice within an hour, or is
+gone; exit 79): the pod is placed again without its node, which ``status.excludedNodes`` names."""
 PERMANENT_FAILURE = "PermanentFailure"
 BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
 DEADLINE_EXCEEDED = "DeadlineExceeded"

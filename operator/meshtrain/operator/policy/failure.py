@@ -206,7 +206,7 @@ DEADLINE_EXCEEDED = situation.MAY_RUN.rule(
 STORE_HOST_EXIT_SECONDS = 20.0
 """How long the other pods' exit 75 waits, from the last of them, for pod 0's own exit when pod 0
 hosts the rendezvous store and its trainer still runs.  Its supervisor halts the gang when one of
-its GPUs failed twice and leaves at once, usually before the others, whose 75 then follows from
+its GPUs is taken for bad and leaves at once, usually before the others, whose 75 then follows from
 it; its code names the cause (79: a disruption by its node, which the rebuild must leave out)."""
 CLOCK_SKEW_SECONDS = 5.0
 """A container's exit time (its node's clock) this far ahead of the operator's is not believed:

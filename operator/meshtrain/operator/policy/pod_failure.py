@@ -110,7 +110,7 @@ def classify(pod: pod_state.PodState) -> Failure | None:
     or the kubelet holds it in ``CrashLoopBackOff`` (it died again: :func:`_crash_looping`);
     exit code 75 (:data:`~meshtrain.api.exitcodes.GANG_RESTART`) asks for the gang rebuild even
     while sidecars keep the pod Running, and exit code 79
-    (:data:`~meshtrain.api.exitcodes.DEVICE_SUSPECT`: a GPU failed twice) is a disruption by the
+    (:data:`~meshtrain.api.exitcodes.DEVICE_SUSPECT`: a GPU taken for bad) is a disruption by the
     node, likewise.
     """
     found = _classify(pod)
@@ -228,7 +228,7 @@ def bad_gpu_said(pod: pod_state.PodState) -> str:
     the pod's words go into the job's status), or what exit 79 means."""
     if pod.reported is not None and pod.reported[1]:
         return pod.reported[1][: container_reasons.MAX_MESSAGE]
-    return "one of its GPUs failed twice within an hour"
+    return "one of its GPUs was taken for bad (it failed twice within an hour, or is gone)"
 
 
 def oom_killed(problem: container_reasons.Problem | None) -> bool:

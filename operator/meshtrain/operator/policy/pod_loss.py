@@ -47,7 +47,7 @@ def _cause(pod: pod_state.PodState, nodes_gone: frozenset[str]) -> str | None:
     if pod.runtime_lost and pod.terminal:
         return "container runtime lost it"
     if pod.left_bad_gpu:
-        return "a GPU failed twice"
+        return "a GPU taken for bad"
     return None
 
 

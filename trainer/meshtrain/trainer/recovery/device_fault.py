@@ -52,12 +52,11 @@ class DeviceFailures:
         self.window_s = window_s
         self.last: dict[int, float] = {}
 
-    def failed(self, local_rank: int, now: float, lost: bool = False) -> bool:
-        """Note a device error of ``local_rank`` (``lost``: its GPU is gone); whether its GPU is
-        now taken for bad."""
+    def failed(self, local_rank: int, now: float) -> bool:
+        """Note a device error of ``local_rank``; whether its GPU is now taken for bad."""
         before = self.last.get(local_rank)
         self.last[local_rank] = now
-        return lost or (before is not None and now - before <= self.window_s)
+        return before is not None and now - before <= self.window_s
 
 
 def which_gpu(local_rank: int, environ: Mapping[str, str]) -> str:
