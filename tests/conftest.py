@@ -26,29 +26,15 @@ scrapes, ~40 s), each with the fixture's name: one xdist worker runs them all, s
 
 
 class SharedRunScheduling(xdist.scheduler.LoadFileScheduling):
-    """``--dist loadfile`` with the files of :data:`SHARED_RUNS` as one unit, handed out in
-    collection order (:func:`pytest_collection_modifyitems` puts the long files first).
+    """``--dist loadfile`` with the files of :data:`SHARED_RUNS` as one unit.
 
     pytest-xdist's ``xdist_group`` marks do not reach its scheduler under pytest 9 (xdist rewrites
-    ``item._nodeid``, which pytest 9 no longer reads), hence this scheduler of our own.  xdist's
-    own order, most tests first, starts the fuzz corpora's hundreds of millisecond tests early
-    and a file of a few minute-long tests late, where it ran alone at the end of the run.
+    ``item._nodeid``, which pytest 9 no longer reads), hence this scheduler of our own.
     """
-
-    def __init__(self, config: pytest.Config, log: Any = None) -> None:
-        super().__init__(config, log)
-        config.option.loadscopereorder = False
 
     def _split_scope(self, nodeid: str) -> str:
         path = nodeid.split("::", 1)[0]
         return SHARED_RUNS.get(path, path)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The files holding a ``slow`` test first, each file's tests kept together and in order:
-    workers start on the long units and the many short files fill the end of the run."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

@@ -15,6 +15,7 @@ Not a mock.  It fails loudly when the binary is missing
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import socket
 import subprocess
@@ -30,8 +31,12 @@ from meshtrain.sandbox import prometheus as sandbox_prometheus
 
 
 def free_port_block(count: int, start: int = 20000, stop: int = 40000) -> int:
-    """First port of ``count`` consecutive ports free on 127.0.0.1 and 0.0.0.0 now."""
-    for base in range(start, stop, count + 3):
+    """First port of ``count`` consecutive ports free on 127.0.0.1 and 0.0.0.0 now, tried in a
+    random order: two pytest workers scanning from ``start`` at the same moment would both find
+    its first block free, and the second server to bind it fails."""
+    bases = list(range(start, stop, count + 3))
+    random.SystemRandom().shuffle(bases)
+    for base in bases:
         socks = []
         try:
             for port in range(base, base + count):

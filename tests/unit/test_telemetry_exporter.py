@@ -19,6 +19,7 @@ from meshtrain.trainer.parallel import state_bytes
 from meshtrain.trainer.telemetry import context, exporter, progress, stepstats
 from meshtrain.trainer.telemetry.recorder import TelemetryRecorder, make_recorder
 from tests.builders import JobBuilder
+from tests.telemetry import promserver
 from tests.unit import telemetry_feed
 
 DESIGN_NAMES = {
@@ -35,15 +36,7 @@ LABELS = {"trainingjob", "namespace", "pod", "rank", "dp", "pp", "tp"}
 
 
 def free_base(count: int) -> int:
-    for base in range(23000, 30000, count + 1):
-        try:
-            socks = [socket.create_server(("0.0.0.0", base + i)) for i in range(count)]
-        except OSError:
-            continue
-        for s in socks:
-            s.close()
-        return base
-    raise RuntimeError("no free ports")
+    return promserver.free_port_block(count, start=23000, stop=30000)
 
 
 def get(url: str) -> tuple[int, bytes]:
