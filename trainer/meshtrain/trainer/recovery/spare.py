@@ -2,8 +2,9 @@
 
 Imports torch and the trainer's heavy modules first, then waits on stdin for its assignment
 (:func:`.spares.assign`) and runs :func:`meshtrain.trainer.worker.main` as that rank.  A GPU
-failing under the rank ends it with :data:`exitcodes.DEVICE_ERROR` (:data:`exitcodes.DEVICE_LOST`
-for a GPU gone; :mod:`.device_fault`), which its supervisor counts against that GPU.
+failing under the rank ends it with :data:`exitcodes.DEVICE_ERROR`, which its supervisor counts
+against that GPU, or with :data:`exitcodes.DEVICE_LOST` for a GPU gone, which it takes for bad at
+once (:mod:`.device_fault`).
 """
 
 from __future__ import annotations
