@@ -10,7 +10,7 @@ operator's ``meshtrain_operator_replans_per_admission_max``; the target is 1 at 
 ``benchmarks/results/churn-<host>.json`` and prints a table.
 
     python -m benchmarks.fleet.churn [--nodes 1024] [--minutes 25] [--drain-minutes 3]
-        [--compression 60] [--load 1.1] [--seed 36]
+        [--compression 60] [--load 1.1] [--seed 36] [--no-time-limits]
 
 Needs the full bootstrap's ``kwok`` (``make bootstrap``). ``make bench-churn`` runs it; never CI.
 """
@@ -71,6 +71,7 @@ def _operator_metrics(port: int) -> dict[str, float]:
             r"^meshtrain_operator_placement_failures_total\{[^}]*\} (\S+)$"
         ),
         "replans": total(r"^meshtrain_operator_replans_total(?:\{[^}]*\})? (\S+)$"),
+        "backfills": total(r"^meshtrain_operator_backfills_total(?:\{[^}]*\})? (\S+)$"),
         "replan_admissions": total(r"^meshtrain_operator_replan_admissions_total (\S+)$"),
         "replans_per_admission_max": total(r"^meshtrain_operator_replans_per_admission_max (\S+)$"),
         "per_job_counts": float("meshtrain_operator_replans_per_admission_max " in text),
@@ -219,6 +220,20 @@ def _summary(seen: observe.Observer, shape: kwok.Shape, end: float) -> dict[str,
     }
 
 
+def _ended_at_deadline(custom: Any) -> int:
+    """TrainingJobs the operator failed at their ``activeDeadlineSeconds`` (their limit ran out)."""
+    listed = custom.list_namespaced_custom_object(
+        bench_operator.GROUP, bench_operator.VERSION, trace.NAMESPACE, bench_operator.PLURAL
+    )
+    return sum(
+        any(
+            c.get("reason") == "DeadlineExceeded"
+            for c in (j.get("status") or {}).get("conditions") or []
+        )
+        for j in listed.get("items") or []
+    )
+
+
 def _log_counts(log: pathlib.Path) -> dict[str, int]:
     text = log.read_text(errors="replace") if log.exists() else ""
     return {
@@ -237,6 +252,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         wall_seconds=args.minutes * 60,
         compression=args.compression,
         load=args.load,
+        time_limits=args.time_limits,
     )
     jobs = trace.held(spec, args.waiting) if args.waiting else list(trace.jobs(spec))
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench-churn-"))
@@ -249,6 +265,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "minutes": args.minutes,
             "compression": args.compression,
             "load": args.load,
+            "time_limits": args.time_limits,
             "jobs": len(jobs),
             "failing_jobs": sum(j.fail_after is not None for j in jobs),
             "gpus_asked": sum(j.gpus for j in jobs),
@@ -345,6 +362,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         most = after["replans_per_admission_max"] if after["per_job_counts"] else None
         results["max_replans_per_admissible_wakeup"] = most
         results["replans_target_met"] = None if most is None else most <= 1.0
+        results["backfills"] = delta.get("backfills", 0.0)
+        results["ended_at_deadline"] = _ended_at_deadline(custom)
         results["dropped"] = _log_counts(log)
         results["load_average_end"] = os.getloadavg()
         results["operator_log"] = str(log)
@@ -383,6 +402,10 @@ def _print(results: dict[str, Any]) -> None:
         f"placements/s {results['placements_per_second']:.2f}, plans/s {results['plans_per_second']:.2f}, "
         f"API server requests/s {results['apiserver_requests_per_second']:.1f}, "
         f"operator requests/s {results['operator_requests_per_second']:.1f}"
+    )
+    print(
+        f"gangs backfilled onto reserved nodes {results['backfills']:.0f}, jobs ended at their "
+        f"deadline {results['ended_at_deadline']}"
     )
     print(
         f"minutes above 80% allocated {results['minutes_above_80_percent']:.1f}, "
@@ -426,6 +449,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compression", type=float, default=60.0)
     parser.add_argument("--load", type=float, default=1.1)
     parser.add_argument("--seed", type=int, default=36)
+    parser.add_argument(
+        "--time-limits",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="every job declares runPolicy.activeDeadlineSeconds (trace.LIMIT_FACTORS), so the "
+        "operator may backfill reserved nodes; --no-time-limits: the trace of the runs before "
+        "backfill (the same jobs without limits)",
+    )
     parser.add_argument(
         "--waiting",
         type=int,

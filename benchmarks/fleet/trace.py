@@ -21,6 +21,9 @@ Durations are log-normal (median :data:`MEDIAN_HOURS`, sigma :data:`DURATION_SIG
 size by :data:`DURATION_GROWTH` per doubling): our choice, shaped after the long-tailed durations the
 Philly (Jeon et al., ATC'19) and PAI (Weng et al., NSDI'22) traces report, not a figure of theirs.
 Cluster time is compressed by :attr:`Trace.compression` (default 60: a cluster hour is a wall minute).
+With :attr:`Trace.time_limits` every job declares a time limit (``runPolicy.activeDeadlineSeconds``,
+:data:`LIMIT_FACTORS`), as on a cluster whose queues require one, which lets the operator backfill
+the nodes it reserves for a large gang.
 Arrivals are Poisson at the rate that offers :attr:`Trace.load` times the fleet's GPUs, after a burst
 at time 0 that fills :attr:`Trace.initial_fill` of it (so the run is above 80% within minutes).
 """
@@ -56,6 +59,11 @@ MODEL = "1.3b"
 NAMESPACE = "fleet"
 LEVELS = ({"label": kwok.BLOCK_LABEL}, {"label": kwok.RACK_LABEL})
 """The fleet's fabric levels as ``spec.topology.levels``, each preferred."""
+LIMIT_FACTORS = (1.5, 4.0)
+"""A job's declared limit is its run time (a failed attempt's included) times a factor drawn
+uniformly from this range, rounded up to whole cluster hours: our choice, shaped after the finding
+that users' run-time estimates are loose upper bounds (Mu'alem and Feitelson, IEEE TPDS 2001;
+Tsafrir, Etsion and Feitelson, IEEE TPDS 2007), not a figure of theirs."""
 HELD_SECONDS = 30 * 24 * 3600.0
 """How long the pods of :func:`held` run: longer than any run."""
 
@@ -74,6 +82,8 @@ class Job:
     """Wall seconds its pods run once bound, on the attempt that succeeds."""
     fail_after: float | None
     """Wall seconds its first attempt runs before a pod fails (None: it never fails)."""
+    limit_seconds: int | None = None
+    """Its ``runPolicy.activeDeadlineSeconds`` in wall seconds (None: it declares none)."""
 
     @property
     def pods(self) -> int:
@@ -97,6 +107,8 @@ class Job:
             )
             .pod(annotations=kwok.lifecycle_annotations(self.run_seconds, self.fail_after))
         )
+        if self.limit_seconds is not None:
+            builder.run_policy(activeDeadlineSeconds=self.limit_seconds)
         return builder.raw()
 
     def manifest(self, levels: list[dict[str, str]] | None = None) -> dict[str, Any]:
@@ -124,6 +136,9 @@ class Trace:
     """Offered GPU-time over the fleet's: above 1, a queue forms and the fleet stays full."""
     initial_fill: float = 0.9
     """Share of the fleet's GPUs asked at time 0 (jobs arriving together)."""
+    time_limits: bool = False
+    """Whether every job declares a time limit (:data:`LIMIT_FACTORS`); drawn apart from the rest,
+    so the same seed gives the same jobs with or without."""
 
 
 def _size(rng: random.Random, largest: int) -> int:
@@ -154,6 +169,14 @@ def mean_gpu_hours(largest: int) -> float:
     return total / sum(weights)
 
 
+def _limit_seconds(trace: Trace, index: int, run_seconds: float, fail_after: float | None) -> int:
+    """Job ``index``'s declared limit in wall seconds (:data:`LIMIT_FACTORS`)."""
+    rng = random.Random(f"{trace.seed}:limit:{index}")  # apart from the trace's own draws
+    hour = 3600 / trace.compression
+    hours = math.ceil(rng.uniform(*LIMIT_FACTORS) * (run_seconds + (fail_after or 0.0)) / hour)
+    return max(1, round(hours * hour))
+
+
 def jobs(trace: Trace) -> Iterator[Job]:
     """The trace's jobs in arrival order."""
     rng = random.Random(trace.seed)
@@ -171,13 +194,10 @@ def jobs(trace: Trace) -> Iterator[Job]:
         asked += gpus
         hours = _cluster_hours(rng, gpus)
         fails_at = _failure_hours(rng, gpus)
-        yield Job(
-            name=f"j{index:05d}-{gpus}",
-            arrival=now,
-            gpus=gpus,
-            run_seconds=hours * 3600 / trace.compression,
-            fail_after=fails_at * 3600 / trace.compression if fails_at < hours else None,
-        )
+        run_seconds = hours * 3600 / trace.compression
+        fail_after = fails_at * 3600 / trace.compression if fails_at < hours else None
+        limit = _limit_seconds(trace, index, run_seconds, fail_after) if trace.time_limits else None
+        yield Job(f"j{index:05d}-{gpus}", now, gpus, run_seconds, fail_after, limit)
         index += 1
 
 
@@ -186,6 +206,8 @@ def held(trace: Trace, count: int) -> list[Job]:
     already full (``kwok.fill``) every one of them waits, for the operator's memory at rest."""
     every = jobs(dataclasses.replace(trace, initial_fill=1e9))
     return [
-        dataclasses.replace(next(every), run_seconds=HELD_SECONDS, fail_after=None)
+        dataclasses.replace(
+            next(every), run_seconds=HELD_SECONDS, fail_after=None, limit_seconds=None
+        )
         for _ in range(count)
     ]

@@ -3,6 +3,7 @@ jobs are valid TrainingJobs (the real spec model judges them) whose pods fill 8-
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 import statistics
@@ -127,3 +128,23 @@ def test_failures_follow_the_series_model() -> None:
     )
     assert abs(failed - expected) < 0.05, (failed, expected)
     assert all(j.fail_after < j.run_seconds for j in jobs if j.fail_after is not None)
+
+
+def test_time_limits_leave_the_jobs_alone_and_bound_each_run_loosely() -> None:
+    """With ``time_limits`` the same jobs declare ``activeDeadlineSeconds``: whole cluster hours
+    from 1.5x to 4x their run (a failed attempt's included), never less than the run."""
+    plain = list(trace.jobs(trace.Trace(SHAPE)))
+    limited = list(trace.jobs(trace.Trace(SHAPE, time_limits=True)))
+    assert [dataclasses.replace(j, limit_seconds=None) for j in limited] == plain
+    hour = 3600 / trace.Trace(SHAPE).compression
+    low, high = trace.LIMIT_FACTORS
+    for job in limited:
+        assert job.limit_seconds is not None
+        ran = job.run_seconds + (job.fail_after or 0.0)
+        assert low * ran <= job.limit_seconds + 1 and job.limit_seconds <= high * ran + hour + 1
+        assert job.limit_seconds % round(hour) == 0  # whole cluster hours
+        spec = api_spec.TrainingJobSpec.model_validate(job.spec())
+        assert spec.run_policy.active_deadline_seconds == job.limit_seconds
+    factors = [j.limit_seconds / (j.run_seconds + (j.fail_after or 0.0)) for j in limited]
+    assert statistics.median(factors) > 2.0  # loose bounds, as users' are
+    assert all(j.limit_seconds is None for j in plain)

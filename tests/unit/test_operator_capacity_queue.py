@@ -543,11 +543,106 @@ def test_grows_and_plans_of_other_jobs_see_no_reserved_node(
     _reserve(queue, "uid-large", "n1", "n2")
     raw = list(cache.nodes.values())
     nodes = [placement.node_from_manifest(n, GPU) for n in raw]
-    kept_raw, kept = reserving.outside(queue, "uid-other", raw, nodes)
+    other = _job("other", 1)
+    kept_raw, kept = reserving.outside(queue, _state(*other), raw, nodes)
     assert sorted(n["metadata"]["name"] for n in kept_raw) == ["n0", "n3"]
     assert sorted(n.name for n in kept) == ["n0", "n3"]
-    mine = reserving.outside(queue, "uid-large", raw, nodes)
+    mine = reserving.outside(queue, _state(*large), raw, nodes)
     assert mine == (raw, nodes)  # the holder sees every node
+
+
+def _state(
+    ref: identity.JobRef,
+    spec: api_spec.TrainingJobSpec,
+    demand: feasibility.Demand | None = None,
+    status: dict[str, Any] | None = None,
+) -> job_state.JobState:
+    return job_state.JobState(ref, 1, spec, (), status or {}, declared=spec)
+
+
+def _limited(
+    name: str, pods: int, deadline: int | None
+) -> tuple[identity.JobRef, api_spec.TrainingJobSpec, feasibility.Demand]:
+    """:func:`_job` with ``runPolicy.activeDeadlineSeconds`` (None: none) and a 10 s grace."""
+    ref, spec, demand = _job(name, pods)
+    policy = spec.run_policy.model_copy(
+        update={"active_deadline_seconds": deadline, "termination_grace_period_seconds": 10}
+    )
+    return ref, spec.model_copy(update={"run_policy": policy}), demand
+
+
+def test_a_job_whose_deadline_ends_it_before_the_reserved_nodes_clear_backfills_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The EASY rule: the holder cannot start before the declared end of what runs on its nodes
+    (``clear_by``); a waiting job whose own declared end comes no later may take them, is woken
+    for them, and its plan sees them; a job without a deadline, or a longer one, may not; and a
+    reserved node set with an unbounded job on it lets nobody backfill."""
+    cache, queue, clock = _three_free_nodes(monkeypatch)
+    large = _job("large", 4)
+    queue.enter(*large)
+    clock[0] = 2000.0  # past RESERVE_AFTER_SECONDS: it holds
+    slack = reservation.ENFORCE_SLACK_SECONDS
+    short, long_, unbounded = _limited("short", 3, 100), _limited("long", 3, 1000), _job("none", 3)
+    for job in (short, long_, unbounded):
+        queue.enter(*job)
+    kept = frozenset({"n1", "n2", "n3"})  # n0 is busy: outside them no job of 3 pods fits
+    clears = clock[0] + 500.0
+    queue.reservation = reservation.Reservation("uid-large", kept, queue.basis(), 0.0, clears)
+    assert clock[0] + 100 + 10 + slack <= clears < clock[0] + 1000
+    assert queue.excluded("uid-short", reservation.job_end(short[1], {}, clock[0])) == frozenset()
+    assert queue.excluded_for(_state(*short)) == frozenset()
+    assert queue.excluded_for(_state(*long_)) == kept
+    assert queue.excluded_for(_state(*unbounded)) == kept
+    keys = [("ns", "short"), ("ns", "long"), ("ns", "none")]
+    assert queue.wake(keys) == [("ns", "short")]  # 3 reserved slots free: only it may use them
+    # a job that started earlier is bounded from its start time, not from now
+    started = {"startTime": "1970-01-01T00:00:00Z"}  # the epoch: 2,000 s ago
+    assert queue.excluded_for(_state(*long_, status=started)) == frozenset()
+    # the declared end moves with time for a job not started: past the clear time, no backfill
+    clock[0] = clears - 100 - 10 - slack + 1
+    assert queue.excluded_for(_state(*short)) == kept
+    # a job on the reserved nodes without a deadline: their clear time is unknown
+    unknown = reservation.Reservation("uid-large", kept, queue.basis(), 0.0, None)
+    assert reservation.excluded(unknown, "uid-short", 0.0) == kept
+
+
+def test_the_reserved_nodes_clear_by_the_latest_declared_end_of_the_pods_on_them() -> None:
+    """``pod_end`` and ``clear_by`` on jobs and pods as the cache keeps them."""
+    now = 1_000_000.0
+    job = informer.trim_job(
+        {
+            "metadata": {"name": "j", "namespace": "ns", "uid": "u"},
+            "spec": {
+                "runPolicy": {
+                    "activeDeadlineSeconds": 600,
+                    "terminationGracePeriodSeconds": 20,
+                    "backoffLimit": 3,
+                }
+            },
+            "status": {"startTime": "1970-01-12T13:46:40Z", "phase": "Running"},  # = now
+        }
+    )
+    assert job["spec"] == {
+        "runPolicy": {"activeDeadlineSeconds": 600, "terminationGracePeriodSeconds": 20}
+    }
+    slack = reservation.ENFORCE_SLACK_SECONDS
+    assert reservation.pod_end({}, job, now) == now + 600 + 20 + slack
+    assert reservation.pod_end(None, job, now) == now + 600 + 20 + slack  # assumed, not created
+    unbounded = informer.trim_job(
+        {"metadata": {"uid": "v"}, "status": {"startTime": "1970-01-12T13:46:40Z"}}
+    )
+    assert reservation.pod_end({}, unbounded, now) is None
+    assert reservation.pod_end({}, None, now) is None  # its job is not in the cache
+    deleting = {"metadata": {"deletionTimestamp": "1970-01-12T13:47:40Z"}}  # now + 60 (its grace)
+    assert reservation.pod_end(deleting, None, now) == now + 60 + slack
+    default = informer.trim_job({"spec": {"runPolicy": {"activeDeadlineSeconds": 5}}})
+    assert (
+        reservation.pod_end({}, default, now) == now + 5 + reservation.DEFAULT_GRACE_SECONDS + slack
+    )
+    assert reservation.clear_by([], now) == now
+    assert reservation.clear_by([now + 5, now + 9], now) == now + 9
+    assert reservation.clear_by([now + 5, None], now) is None
 
 
 def test_a_holder_whose_node_set_found_no_place_passes_on_until_the_nodes_change(

@@ -646,3 +646,20 @@ def test_a_pod_recreated_into_a_gang_of_the_previous_release_joins_its_pod_group
     assert (
         builders.build_pod_group(ref, spec, 0, "0" * 16)["metadata"]["name"] != f"j-r0-{'0' * 10}"
     )
+
+
+def test_the_pass_that_fails_a_job_at_its_deadline_is_due_at_the_deadline() -> None:
+    """The reconciler passes again when ``activeDeadlineSeconds`` runs out, not at the next
+    resync (a backfilled job's declared end counts on it, ``reservation.end_bound``); the pass
+    then fails the job (the table above)."""
+    limited = JobBuilder().layout(data=2, gpus_per_node=1).raw() | {
+        "runPolicy": {"activeDeadlineSeconds": 60}
+    }
+    running = job(limited, **placed_status(phase="Running"))  # started at T0
+    later = datetime.timedelta(seconds=45)
+    assert failure.pass_at_deadline(running, "Running", T0 + later) == 15.0
+    assert failure.pass_at_deadline(running, "Running", T0 + 2 * later) == 0.0  # overdue: now
+    assert failure.pass_at_deadline(running, "Failed", T0) is None  # finished
+    assert failure.pass_at_deadline(job(limited), "Pending", T0) is None  # not started
+    unlimited = job(JobBuilder().layout(data=2, gpus_per_node=1).raw(), **placed_status())
+    assert failure.pass_at_deadline(unlimited, "Running", T0) is None

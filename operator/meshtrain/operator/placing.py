@@ -323,7 +323,7 @@ class Placer:
         async with self.lock:
             gpu = job.declared.resources.gpu_resource_name
             raw_nodes, nodes, _ = self.fit.candidates(job, gpu, clock.now())
-            raw_nodes, nodes = reserving.outside(self.waiting, ref.uid, raw_nodes, nodes)
+            raw_nodes, nodes = reserving.outside(self.waiting, job, raw_nodes, nodes)
             demand = feasibility.demand_of(builders.build_pod(ref, job.declared, 0, 0, ""))
             # Only the size a placement would pick (rules and memory admission included): growing to
             # one it would not pick rebuilds the gang at the running size, again and again.
@@ -493,9 +493,15 @@ class Placer:
             reserved = None  # it waits: the node set it holds, when one is due
             if placed is None:
                 reserved = await reserving.refresh(self.waiting, self.fit, step[1], demand)
+            backfilled = reserving.backfilled(self.waiting, ref.uid, placed)
         if reserved is not None:
             said = reservation.described(reserved)
             await self.writer.emit(step[0], "Normal", conditions.NODES_RESERVED, said)
+        if backfilled:
+            metrics.BACKFILLS.labels(namespace=ref.namespace).inc()
+            said = reservation.backfilled(len(backfilled))
+            logger.info("%s/%s backfilled: %s", ref.namespace, ref.name, said)
+            await self.writer.emit(step[0], "Normal", conditions.BACKFILLED, said)
         if placed is None:
             return step
         return await self._create(step, *placed)
@@ -620,7 +626,7 @@ class Placer:
         demand = feasibility.demand_of(template)
         hold = self._hold(job, raw_nodes, demand, now)
         held = frozenset() if hold is None else hold.labels
-        raw_nodes, nodes = reserving.outside(self.waiting, ref.uid, raw_nodes, nodes)
+        raw_nodes, nodes = reserving.outside(self.waiting, job, raw_nodes, nodes)
         cap = resizing.largest_allowed(job.declared or job.spec, job.status, now)
         if ref.uid in self.waiting.entries:  # it waited: a wake-up (or its resync) plans it again
             metrics.REPLANS.labels(namespace=ref.namespace).inc()
@@ -660,7 +666,8 @@ class Placer:
             # the hold's end on the monotonic clock, from when ``now`` was read (not the plan's end)
             held_until = None if hold is None else began + (hold.until - now).total_seconds()
             self.waiting.enter(
-                ref, declared, demand, beside, since, priority, avoided_until, held_until, held
+                *(ref, declared, demand, beside, since, priority, avoided_until, held_until, held),
+                started=job.status.get("startTime"),
             )
             took = self.fit.worker.last_seconds
             self._next_plan[ref.uid] = time.monotonic() + PLAN_SPACING * took

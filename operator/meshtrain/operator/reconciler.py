@@ -34,6 +34,7 @@ from meshtrain.operator.policy import (
     capacity_queue,
     checkpoint_condition,
     conditions,
+    failure,
     feasibility,
     gang_backend,
     identity,
@@ -274,6 +275,8 @@ class Reconciler:
             retry = timed if retry is None else min(retry, timed)  # job's plans may start again
         if retry is not None:
             requeue = retry if requeue is None else min(requeue, retry)
+        if (left := failure.pass_at_deadline(job, phase, clock.now())) is not None:
+            requeue = left if requeue is None else min(requeue, left)
         if any(isinstance(a, job_actions.PollProgress) for a in decision.actions):
             requeue = (
                 self.settings.progress_seconds
@@ -383,7 +386,7 @@ class Reconciler:
             return replaced or await self._all(action.otherwise, body, job)
         if isinstance(action, job_actions.ReplaceStraggler):
             slow = frozenset(action.nodes)
-            kept = self.placer.waiting.excluded(job.ref.uid)  # a rebuild may not take them
+            kept = self.placer.waiting.excluded_for(job)  # a rebuild may not take them
             fits = await self.fit.fits_without(job, slow | kept, clock.now(), action.topology)
             changed = False
             for step in action.replaced if fits else action.otherwise:

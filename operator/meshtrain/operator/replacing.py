@@ -238,7 +238,7 @@ class Replacer:
             held = [identity.planned_node(p) or "" for p in spare_pods]
             free = kueue_topology.replacement_room(free, survivors, held, labels, action.topology)
         request = placement_request.request_from_spec(spec)
-        kept = self.placer.waiting.excluded(job.ref.uid)  # the reservation's nodes: a last resort
+        kept = self.placer.waiting.excluded_for(job)  # the reservation's nodes: a last resort
         if kept:  # the own node too: a deleted pod's node goes to the longest waiter first
             back = {i: node for i, node in returning.items() if node not in kept}
             away = choice.replace(

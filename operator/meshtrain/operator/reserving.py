@@ -65,7 +65,8 @@ async def _plan(
         sized = None
     answer = None if sized is None else sized.answer
     kept = frozenset(answer.nodes) if isinstance(answer, placement.Placement) else frozenset()
-    planned = reservation.Reservation(ref.uid, kept, queue.basis(), time.monotonic())
+    cleared = _clear_by(fit, ref.uid, kept)
+    planned = reservation.Reservation(ref.uid, kept, queue.basis(), time.monotonic(), cleared)
     before, queue.reservation = queue.reservation, planned
     if before is not None and before.nodes - kept:  # nodes other waiting jobs may take again
         queue.released()
@@ -77,25 +78,54 @@ async def _plan(
         )
         return planned
     logger.info(
-        "%s/%s holds the reservation: %d node(s) kept for it", ref.namespace, ref.name, len(kept)
+        "%s/%s holds the reservation: %d node(s) kept for it; %s",
+        *(ref.namespace, ref.name, len(kept), _backfill_note(cleared)),
     )
     return planned
 
 
+def _clear_by(fit: gang_fit.GangFit, holder: str, kept: frozenset[str]) -> float | None:
+    """When ``kept`` is clear of meshtrain's pods by their jobs' declared limits
+    (``reservation.clear_by``); None: some job there declares none."""
+    now = time.time()
+    holding = [(uid, pod) for uid, pod in fit.cache.holding(kept) if uid != holder]
+    jobs = fit.cache.jobs_by_uid(uid for uid, _ in holding)
+    ends = (reservation.pod_end(pod, jobs.get(uid), now) for uid, pod in holding)
+    return reservation.clear_by(ends, now)
+
+
+def _backfill_note(cleared: float | None) -> str:
+    if cleared is None:
+        return "no backfill (a job on them declares no runPolicy.activeDeadlineSeconds)"
+    return f"jobs whose deadline ends them within {cleared - time.time():.0f} s may backfill"
+
+
 def outside(
     queue: waiting.Queue,
-    uid: str,
+    job: job_state.JobState,
     raw_nodes: list[dict[str, Any]],
     nodes: list[placement.Node],
 ) -> tuple[list[dict[str, Any]], list[placement.Node]]:
-    """The candidate nodes (raw, and as the planner sees them) job ``uid`` may take."""
-    kept = queue.excluded(uid)
+    """The candidate nodes (raw, and as the planner sees them) ``job`` may take."""
+    kept = queue.excluded_for(job)
     if not kept:
         return raw_nodes, nodes
     return (
         [n for n in raw_nodes if (n.get("metadata") or {}).get("name") not in kept],
         [n for n in nodes if n.name not in kept],
     )
+
+
+def backfilled(
+    queue: waiting.Queue,
+    uid: str,
+    placed: tuple[placement_outcome.Placed, Any] | None,
+) -> frozenset[str]:
+    """The reserved nodes job ``uid``'s placement took (its declared limit let it backfill)."""
+    held = queue.holder()
+    if placed is None or held is None or held.uid == uid:
+        return frozenset()
+    return frozenset(placed[0].nodes) & queue.reserved_nodes()
 
 
 def unplaced(
@@ -106,7 +136,7 @@ def unplaced(
 ) -> placement_outcome.Unplaced:
     """``outcome``, said as waiting for the reservation when a reserved node has room for a pod
     of the job now (the reserved nodes kept it from placing, as far as the cache can tell)."""
-    kept = queue.excluded(job.ref.uid)
+    kept = queue.excluded_for(job)
     held = queue.holder()
     if not kept or held is None:
         return outcome

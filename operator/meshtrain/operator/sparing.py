@@ -166,7 +166,7 @@ class Spares:
             ask=devices.ask_of(spec, placer.cache.inventory()),
         )
         free = {n.name: n.allocatable_gpus // per_pod for n in offered}
-        free = reservation.outside(free, placer.waiting.excluded(ref.uid))  # never reserved nodes
+        free = reservation.outside(free, placer.waiting.excluded_for(job))  # never reserved nodes
         placed = replacement.entries(job.status)
         on = [str((placed.get(i) or {}).get("node") or "") for i in range(spec.pods)]
         every = [placement.node_from_manifest(n, gpu) for n in placer.cache.nodes.values()]

@@ -31,6 +31,7 @@ from meshtrain.operator.policy import (
     capacity_queue,
     feasibility,
     identity,
+    job_state,
     reservation,
     resizing,
     topology_hold,
@@ -77,17 +78,20 @@ class Queue:
         self._uids: dict[Key, str] = {}
         """(namespace, name) -> UID of the waiting job of that name."""
         self._demands: dict[Hashable, feasibility.Demand] = {}
-        self.specs: dict[str, api_spec.TrainingJobSpec] = {}
-        """UID -> the waiting job's spec (what a device change is judged against, ``device_wake``)."""
         """Shape -> a pod demand of that shape (what free slots are counted for)."""
+        self.specs: dict[str, api_spec.TrainingJobSpec] = {}
+        """UID -> the waiting job's spec (what a device change is judged against, ``device_wake``;
+        its declared limit, whether it may backfill)."""
+        self._started: dict[str, dict[str, str]] = {}
+        """UID -> the waiting job's ``startTime`` as its status has it (``{}``: never started)."""
         self.kueue: set[str] = set()
         """UIDs of jobs Kueue admitted: Kueue's queue orders them, so they neither hold the
         reservation nor are held back by it (the wake-up rule applies to them all the same)."""
         self._changes = 0
         """Capacity changes told to this queue (:meth:`capacity_changed`)."""
-        self._planned: dict[str, tuple[int, int, str | None, int]] = {}
-        """UID -> (:attr:`seq`, generation, holder UID, releases seen) when its last plan
-        started (:meth:`_reserved_for`)."""
+        self._planned: dict[str, tuple[int, int, str | None, int, bool]] = {}
+        """UID -> (:attr:`seq`, generation, holder UID, releases seen, whether it may backfill)
+        when its last plan started (:meth:`_reserved_for`)."""
         self._avoided: dict[str, tuple[float, frozenset[str]]] = {}
         """UID -> (monotonic time the first nodes its last plan left out for a while, replaced
         stragglers or scheduler refusals, may take its pods again; those nodes): the pass then
@@ -101,8 +105,8 @@ class Queue:
         admitted, plans it across domains if need be."""
         self._owed: set[str] = set()
         """UIDs whose next plan answers a change of time alone (:meth:`owed_to_time`)."""
-        self._verdicts: dict[str, tuple[tuple[int, int, str | None, int], bool]] = {}
-        """UID -> ((:attr:`seq`, generation, holder UID, releases), whether the wake-up rule
+        self._verdicts: dict[str, tuple[tuple[int, int, str | None, int, bool], bool]] = {}
+        """UID -> ((:attr:`seq`, generation, holder UID, releases, backfill), whether the wake-up rule
         admits it): the free slots are counted once per change, not at every resync."""
         self.reserve_after = capacity_queue.RESERVE_AFTER_SECONDS
         """Seconds a job waits before it may hold the reservation (``--reserve-after-seconds``)."""
@@ -135,11 +139,26 @@ class Queue:
         reservation's holder and node set then)."""
         self._planned[ref.uid] = (self.seq, generation, *self._reserved_for(ref.uid))
 
-    def _reserved_for(self, uid: str) -> tuple[str | None, int]:
-        """What of the reservation job ``uid``'s plan depends on: the holder, and for any other
-        job, how often a node set let nodes go (the holder's own plan may use its nodes)."""
+    def _reserved_for(self, uid: str) -> tuple[str | None, int, bool]:
+        """What of the reservation job ``uid``'s plan depends on: the holder, for any other job
+        how often a node set let nodes go (the holder's own plan may use its nodes, as may a job
+        that backfills), and whether it may backfill."""
         holder = self._holder_uid()
-        return holder, 0 if holder == uid else self._released
+        backfills = holder != uid and self._backfills(uid)
+        return holder, 0 if holder == uid or backfills else self._released, backfills
+
+    def _ends(self, uid: str) -> float | None:
+        """When waiting job ``uid``'s pods would be gone if placed now (``reservation.job_end``)."""
+        spec = self.specs.get(uid)
+        if spec is None:
+            return None
+        return reservation.job_end(spec, self._started.get(uid, {}), time.time())
+
+    def _backfills(self, uid: str) -> bool:
+        """Whether waiting job ``uid`` may take the reserved nodes (``reservation.may_backfill``)."""
+        if not self.reserved_nodes():
+            return False
+        return reservation.may_backfill(self.reservation, self._ends(uid))
 
     def released(self) -> None:
         """The holder's node set was planned again and let nodes go: the other waiting jobs are
@@ -220,6 +239,7 @@ class Queue:
         avoided_until: tuple[float, frozenset[str]] | None = None,
         held_until: float | None = None,
         held_in: frozenset[str] = frozenset(),
+        started: str | None = None,
     ) -> capacity_queue.Waiting:
         """The job waits (since the first time: a job entered again keeps its place).
 
@@ -229,7 +249,8 @@ class Queue:
         for a while (stragglers, scheduler refusals) may take its pods again, and those nodes
         (``GangFit.avoided_until``): an exclusion that ends with time, not with a capacity change;
         ``held_until``: monotonic time a preferred level stops holding it for one domain, one
-        of each of the ``held_in`` labels.
+        of each of the ``held_in`` labels; ``started``: its ``status.startTime`` (its declared
+        limit runs from then, :meth:`_backfills`).
         """
         unknown = unknown or bool(self.cache.inventory().devices)  # slices may serve it
         need = need_of(spec, demand, unknown)
@@ -256,6 +277,7 @@ class Queue:
         )
         self._uids[(ref.namespace, ref.name)] = ref.uid
         self.specs[ref.uid] = spec
+        self._started[ref.uid] = {"startTime": started} if started else {}
         if held_until is None:
             self._holds.pop(ref.uid, None)
         else:
@@ -273,6 +295,7 @@ class Queue:
         """The job waits no more (placed, deleted, finished or suspended)."""
         left = self.entries.pop(ref.uid, None)
         self.specs.pop(ref.uid, None)
+        self._started.pop(ref.uid, None)
         self.kueue.discard(ref.uid)
         self._planned.pop(ref.uid, None)
         self._verdicts.pop(ref.uid, None)
@@ -415,21 +438,37 @@ class Queue:
             return frozenset()
         return self.reservation.nodes
 
-    def excluded(self, uid: str) -> frozenset[str]:
-        """The reserved nodes job ``uid`` may not take (``reservation.excluded``)."""
+    def excluded(self, uid: str, ends: float | None = None) -> frozenset[str]:
+        """The reserved nodes job ``uid``, whose pods are gone by ``ends``, may not take
+        (``reservation.excluded``)."""
         kept = self.reserved_nodes()
-        return reservation.excluded(self.reservation, uid) if kept else kept
+        return reservation.excluded(self.reservation, uid, ends) if kept else kept
+
+    def excluded_for(self, job: job_state.JobState) -> frozenset[str]:
+        """:meth:`excluded` for ``job`` by its declared limit (``reservation.job_end``)."""
+        spec = job.declared or job.spec
+        ends = None if spec is None else reservation.job_end(spec, job.status, time.time())
+        return self.excluded(job.ref.uid, ends)
 
     def wake(self, keys: Iterable[Key]) -> list[Key]:
         """Of the waiting jobs ``keys``, those a capacity change could admit (unknown ones too):
-        their pods fit in the free slots, outside the reserved nodes unless they hold them."""
+        their pods fit in the free slots, outside the reserved nodes unless they hold them or
+        may backfill."""
         needs = {}
         for key in keys:
             entry = self.entries.get(self._uids.get(key, ""))
             needs[key] = entry.need if entry is not None else None
         held = self.holder()
-        holds = {k for k in needs if held is not None and self._uids.get(k) == held.uid}
         reserved = self.reserved_nodes()
+        holds = {
+            k
+            for k in needs
+            if held is not None
+            and (
+                self._uids.get(k) == held.uid
+                or (reserved and self._backfills(self._uids.get(k, "")))
+            )
+        }
         found = set(capacity_queue.admissible({k: needs[k] for k in holds}, self.free_slots))
         others = {k: n for k, n in needs.items() if k not in holds}
         found.update(

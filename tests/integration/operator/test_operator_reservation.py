@@ -160,3 +160,39 @@ def test_a_lost_pod_is_replaced_outside_the_reserved_nodes_when_another_node_can
             60,
         )
         assert replaced == leaf_c
+
+
+def test_a_job_whose_deadline_ends_it_before_the_reserved_nodes_clear_backfills_them(
+    control_plane_binaries, tmp_path
+):
+    """Leaf a's four nodes are reserved for a gang of four while a job whose
+    ``activeDeadlineSeconds`` is 600 holds one of them: by the declared limits the gang cannot
+    start there for about 11 minutes.  A one-pod job without a deadline, or with one that would
+    outlast that, waits for the reservation; one whose 20 s deadline ends it in time is placed on
+    a reserved node (a ``Backfilled`` Event) and is failed at its deadline, its node given back."""
+    log = str(tmp_path / "operator.log")
+    with _operated(control_plane_binaries, log, 3) as (cluster, operator, namespace, pool):
+        leaf_a = {cluster.add_node(pool, gpus=2, labels={LEAF: "a"}) for _ in range(4)}
+        filler = JobBuilder("filler", namespace, pool).layout(data=2).gpus(2)
+        cluster.apply(filler.run_policy(activeDeadlineSeconds=600))
+        assert _bound_nodes(cluster, namespace, "filler") <= leaf_a
+
+        big = JobBuilder("big", namespace, pool).layout(data=8).gpus(2)  # 4 pods of 2 GPUs
+        cluster.apply(big.topology(levels=[{"label": LEAF, "mode": "required"}]))
+        wait_for("leaf a reserved", lambda: _holds(log) > 0, 60)
+
+        for name, deadline in (("unlimited", None), ("too-long", 3600)):
+            job = JobBuilder(name, namespace, pool).layout(data=2).gpus(2)
+            cluster.apply(job.run_policy(activeDeadlineSeconds=deadline) if deadline else job)
+            cluster.wait_reason(namespace, name, "Placed", "ReservedForLongestWaiting")
+            message = cluster.condition(namespace, name, "Placed")["message"]
+            assert "runPolicy.activeDeadlineSeconds" in message  # says how to backfill
+
+        short = JobBuilder("short", namespace, pool).layout(data=2).gpus(2)
+        cluster.apply(short.run_policy(activeDeadlineSeconds=20))
+        assert _bound_nodes(cluster, namespace, "short") <= leaf_a
+        (event,) = cluster.events(namespace, "short", "Backfilled")
+        assert "reserved for the job that has waited longest" in event.message
+        cluster.wait_reason(namespace, "short", "Failed", "DeadlineExceeded", timeout=90)
+        for name in ("unlimited", "too-long", "big"):  # nothing else took the reserved nodes
+            assert not [p for p in cluster.pods(namespace, name) if p.spec.node_name], name

@@ -193,13 +193,19 @@ def trim_node(node: kube.Body, shared: Callable[[Any], Any] = _unshared) -> kube
     }
 
 
+LIMIT_FIELDS = ("activeDeadlineSeconds", "terminationGracePeriodSeconds")
+"""``spec.runPolicy`` fields :func:`trim_job` keeps."""
+
+
 def trim_job(job: kube.Body) -> kube.Body:
     """A TrainingJob as the cache keeps it: whether it is live, its UID, and which gated pods hold
     which nodes (``status.restarts`` and ``status.placement``, ``capacity.live_owner``); its Kueue
     queue label and ``Placed`` condition (whether it may hold the reservation after a restart,
-    ``reservation.may_hold``)."""
+    ``reservation.may_hold``); its declared limit, grace and start time (when its pods are gone,
+    ``reservation.limits_of``)."""
     metadata = job.get("metadata") or {}
     status = job.get("status") or {}
+    policy = _pick((job.get("spec") or {}).get("runPolicy"), LIMIT_FIELDS)
     labels = _pick(metadata.get("labels"), (kueue_workload.QUEUE_LABEL,))
     found = conditions.find(status.get("conditions") or [], conditions.PLACED)
     placed = _pick(found, ("type", "status", "reason", "lastTransitionTime"))  # not the message
@@ -210,8 +216,9 @@ def trim_job(job: kube.Body) -> kube.Body:
             **_pick(metadata, ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp")),
             **({"labels": labels} if labels else {}),
         },
+        **({"spec": {"runPolicy": policy}} if policy else {}),
         "status": {
-            **_pick(status, ("phase", "restarts", "placement")),
+            **_pick(status, ("phase", "restarts", "placement", "startTime")),
             **({"conditions": [placed]} if placed else {}),
         },
     }
@@ -430,6 +437,29 @@ class Cache:
             self.pods.get((namespace, name)) for name in self.pods.names_of_job(namespace, job)
         )
         return [p for p in found if p is not None]
+
+    def holding(self, nodes: frozenset[str]) -> Iterator[tuple[str, kube.Body | None]]:
+        """(job UID, pod) of each meshtrain pod that takes resources on one of ``nodes``, and
+        (job UID, None) of each pod assumed there (the reservation's backfill bound)."""
+        for pod in self.pods.values():
+            uid = capacity.controller_uid(pod)
+            if uid is not None and reservation.is_ours(pod) and self._node_of(pod) in nodes:
+                yield uid, pod
+        for assumption in list(self.assumed.pods.values()):
+            if assumption.node in nodes:
+                yield assumption.job, None
+
+    def jobs_by_uid(self, uids: Iterable[str]) -> dict[str, kube.Body]:
+        """The cached TrainingJobs of ``uids`` by UID (those the cache holds)."""
+        wanted = set(uids)
+        if not wanted:
+            return {}
+        found = {}
+        for job in self.jobs.values():
+            uid = (job.get("metadata") or {}).get("uid")
+            if uid in wanted:
+                found[uid] = job
+        return found
 
     def _node_of(self, pod: kube.Body) -> str | None:
         """The node ``pod`` takes resources on, as :func:`capacity.counted_node` says."""

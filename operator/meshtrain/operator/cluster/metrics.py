@@ -105,6 +105,12 @@ ASSUMPTIONS_EXPIRED = prometheus_client.Counter(
     "meshtrain_operator_assumed_pods_expired",
     "Pods assumed on their planned node whose assumption ran out before the pod appeared.",
 )
+BACKFILLS = prometheus_client.Counter(
+    "meshtrain_operator_backfills",
+    "Gangs placed on nodes reserved for another job because their runPolicy.activeDeadlineSeconds "
+    "ends them before that job could start there (policy.reservation); by namespace.",
+    labelnames=("namespace",),
+)
 RESERVATION_PLANS = prometheus_client.Counter(
     "meshtrain_operator_reservation_plans",
     "Plans of the node set reserved for the job that waited longest (reserving.refresh): one per "

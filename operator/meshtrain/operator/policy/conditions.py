@@ -77,6 +77,9 @@ starts or room beside the reserved nodes frees."""
 NODES_RESERVED = "NodesReserved"
 """Event on the reservation's holder: the nodes planned for it, kept from every other job
 (``policy.reservation``)."""
+BACKFILLED = "Backfilled"
+"""Event on a job placed on nodes reserved for another (``policy.reservation``): its declared
+``runPolicy.activeDeadlineSeconds`` ends it before the holder could start there."""
 SCHEDULER_REFUSED = "SchedulerRefused"
 """kube-scheduler refused a released pod on its planned node: the gang is placed again without that node."""
 RECONCILE_FAILING = "ReconcileFailing"

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from meshtrain.api import spec as api_spec
 from meshtrain.operator.policy import (
     bad_gpus,
     conditions,
@@ -143,17 +145,32 @@ def _invalid_spec(seen: situation.Situation) -> job_actions.Decision:
     return fail(seen, seen.pods, conditions.INVALID_SPEC, message)
 
 
-def _deadline_left(seen: situation.Situation) -> float | None:
-    """Seconds of ``activeDeadlineSeconds`` left since ``startTime`` (None: no deadline, or not started)."""
-    started = conditions.parse_time(seen.job.status.get("startTime"))
-    deadline = seen.spec.run_policy.active_deadline_seconds
+def deadline_left(
+    spec: api_spec.TrainingJobSpec, status: Mapping[str, Any], now: datetime.datetime
+) -> float | None:
+    """Seconds of ``activeDeadlineSeconds`` left since ``startTime`` (None: no deadline, or not
+    started): the reconciler passes again then, so a job ends at its deadline, not at a resync
+    (a backfilled job's end bound counts on it, ``reservation.end_bound``)."""
+    started = conditions.parse_time(status.get("startTime"))
+    deadline = spec.run_policy.active_deadline_seconds
     if deadline is None or started is None:
         return None
-    return (started + datetime.timedelta(seconds=deadline) - seen.now).total_seconds()
+    return (started + datetime.timedelta(seconds=deadline) - now).total_seconds()
+
+
+def pass_at_deadline(
+    job: job_state.JobState, phase: str, now: datetime.datetime
+) -> float | None:
+    """Seconds until the pass that fails a job at its deadline is due (None: no deadline, not
+    started, or finished)."""
+    if phase in job_state.FINAL or job.spec is None:
+        return None
+    left = deadline_left(job.spec, job.status, now)
+    return None if left is None else max(left, 0.0)
 
 
 def _past_deadline(seen: situation.Situation) -> bool:
-    left = _deadline_left(seen)
+    left = deadline_left(seen.spec, seen.job.status, seen.now)
     return left is not None and left <= 0
 
 

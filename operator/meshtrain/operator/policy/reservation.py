@@ -4,25 +4,44 @@ The holder (``capacity_queue.holder``) is planned by the placement algorithm on 
 may use with the GPUs of meshtrain's own pods counted free (they finish; other tenants' pods do
 not leave for us): the nodes of that plan are the reservation.  No other path that takes GPUs
 (another job's plan, an elastic grow, a spare, a straggler's rebuild) may use them
-(:func:`excluded`); a job that places without them still goes (backfill).  A replacement of a
+(:func:`excluded`); a job that places without them still goes.  A replacement of a
 running gang's lost pod takes a reserved node only when no other node can take it
 (:func:`outside`): a running gang is never starved of its own pod.  The reservation is planned
 again only when its holder changes, or when nodes or capacity changed and
 :data:`REPLAN_AFTER_SECONDS` passed since its last plan (:func:`due`).
+
+Backfill by declared time limits (the EASY rule of batch schedulers): when every meshtrain job
+holding GPUs on the reserved nodes declares ``runPolicy.activeDeadlineSeconds``, the holder
+cannot start before the latest of their ends (:func:`end_bound`: start time, deadline, the
+pods' grace to stop, :data:`ENFORCE_SLACK_SECONDS`), its :attr:`Reservation.clear_by`.  A job
+whose own end bound comes no later may take the reserved nodes (:func:`may_backfill`): it is
+gone before the holder could have started, so the holder waits no longer for it than the
+declared limits already made it wait.  A job without a deadline never backfills, and one
+without a deadline on the reserved nodes turns backfill off for that node set (its end is
+unknown).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from meshtrain import placement
+from meshtrain.api import spec as api_spec
+from meshtrain.api.spec import run_policy
 from meshtrain.operator.policy import conditions, kueue_workload, naming
 
 REPLAN_AFTER_SECONDS = 30.0
 """The reservation of one holder is planned again at most this often (a plan over every node)."""
+DEFAULT_GRACE_SECONDS = run_policy.RunPolicy.model_fields[
+    "termination_grace_period_seconds"
+].default
+"""The pods' grace to stop when the job leaves ``terminationGracePeriodSeconds`` unset."""
+ENFORCE_SLACK_SECONDS = 30.0
+"""Added to a job's end bound: the operator's pass that fails a job at its deadline may come this
+much late (a queue of passes, an API server under load) before its pods are deleted."""
 SETTLE_SECONDS = 60.0
 """After an operator (re)start, other jobs wait at most this long for the node set of a job that
 may hold (by its condition) to be planned again."""
@@ -44,6 +63,9 @@ class Reservation:
     """(node changes, capacity changes) as counted when it was planned."""
     at: float
     """Monotonic time it was planned."""
+    clear_by: float | None = None
+    """Seconds since the epoch by which every meshtrain pod on :attr:`nodes` is gone by its job's
+    declared limit (:func:`clear_by`); None: some job there declares none (no backfill)."""
 
 
 def due(
@@ -60,11 +82,90 @@ def due(
     return current.basis != basis and now - current.at >= every
 
 
-def excluded(current: Reservation | None, uid: str) -> frozenset[str]:
-    """The nodes job ``uid`` may not take: the reservation's, unless it holds it."""
-    if current is None or current.holder == uid:
+def excluded(current: Reservation | None, uid: str, ends: float | None = None) -> frozenset[str]:
+    """The nodes job ``uid``, whose pods are gone by ``ends`` (:func:`end_bound`; None: not
+    bounded), may not take: the reservation's, unless it holds it or may backfill."""
+    if current is None or current.holder == uid or may_backfill(current, ends):
         return frozenset()
     return current.nodes
+
+
+def may_backfill(current: Reservation | None, ends: float | None) -> bool:
+    """Whether a job whose pods are gone by ``ends`` may take ``current``'s nodes: both bounds
+    are known and its end comes no later than they clear for the holder."""
+    if current is None or current.clear_by is None or ends is None:
+        return False
+    return ends <= current.clear_by
+
+
+def end_bound(
+    deadline: int | None, grace: int | None, started: float | None, now: float
+) -> float | None:
+    """Seconds since the epoch by which a job's pods are gone: its ``activeDeadlineSeconds``
+    counted from ``started`` (its ``startTime``; None: not started, so from ``now``), plus the
+    pods' ``grace`` to stop (``terminationGracePeriodSeconds``) and
+    :data:`ENFORCE_SLACK_SECONDS`.  None: no deadline, no bound."""
+    if deadline is None:
+        return None
+    begins = now if started is None else started
+    return begins + deadline + (grace or 0) + ENFORCE_SLACK_SECONDS
+
+
+def clear_by(ends: Iterable[float | None], now: float) -> float | None:
+    """When the reserved nodes are clear of the jobs on them, whose end bounds are ``ends``:
+    the latest (``now`` when none); None when any is unknown."""
+    latest = now
+    for end in ends:
+        if end is None:
+            return None
+        latest = max(latest, end)
+    return latest
+
+
+def job_end(spec: api_spec.TrainingJobSpec, status: Mapping[str, Any], now: float) -> float | None:
+    """:func:`end_bound` of a job by its spec and status (``now``: seconds since the epoch)."""
+    policy = spec.run_policy
+    return end_bound(
+        policy.active_deadline_seconds,
+        policy.termination_grace_period_seconds,
+        _epoch(status.get("startTime")),
+        now,
+    )
+
+
+def pod_end(
+    pod: Mapping[str, Any] | None, job: Mapping[str, Any] | None, now: float
+) -> float | None:
+    """When a meshtrain pod on a reserved node is gone (``pod`` None: assumed, not created yet):
+    one being deleted by its ``deletionTimestamp`` (the API server sets it to the request's time
+    plus the grace period) and :data:`ENFORCE_SLACK_SECONDS`; any other by its ``job``'s
+    declared limit as the cache keeps it (``informer.trim_job``).  None: not bounded (no
+    deadline, or the job is not in the cache)."""
+    deleted = _epoch(((pod or {}).get("metadata") or {}).get("deletionTimestamp"))
+    if deleted is not None:
+        return deleted + ENFORCE_SLACK_SECONDS
+    if job is None:
+        return None
+    policy = (job.get("spec") or {}).get("runPolicy") or {}
+    deadline = _count(policy.get("activeDeadlineSeconds"))
+    grace = _count(policy.get("terminationGracePeriodSeconds"))
+    started = _epoch((job.get("status") or {}).get("startTime"))
+    return end_bound(deadline, DEFAULT_GRACE_SECONDS if grace is None else grace, started, now)
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _epoch(value: Any) -> float | None:
+    """An RFC 3339 time as seconds since the epoch; None when absent, unreadable or naive."""
+    try:
+        parsed = conditions.parse_time(value)
+    except (TypeError, ValueError):
+        return None
+    if parsed is None or parsed.tzinfo is None:
+        return None
+    return parsed.timestamp()
 
 
 def outside(free: Mapping[str, int], reserved: frozenset[str]) -> dict[str, int]:
@@ -128,7 +229,16 @@ def message(pods: int, nodes: int) -> str:
     return (
         f"{nodes} node(s) are reserved for the job that has waited longest at the highest "
         f"priority ({pods} pod(s)); no placement without them fits now: placed once it starts "
-        "or room outside them frees"
+        "or room outside them frees, or on them now with a runPolicy.activeDeadlineSeconds that "
+        "ends this job before they clear for it (backfill)"
+    )
+
+
+def backfilled(nodes: int) -> str:
+    """The event of a job placed on reserved nodes (:func:`may_backfill`)."""
+    return (
+        f"placed on {nodes} node(s) reserved for the job that has waited longest: its "
+        "runPolicy.activeDeadlineSeconds ends it before that job could start there"
     )
 
 
