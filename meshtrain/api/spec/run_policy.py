@@ -183,7 +183,9 @@ class RunPolicy(base.SpecModel):
         None,
         ge=1,
         le=limits.MAX_SECONDS,
-        description="Fail the job when it has been active this long.",
+        description="Fail the job when it has been active this long (seconds since status.startTime). A job that "
+        "declares it may also run on nodes reserved for a gang that waited longer, when it ends before they "
+        "would be clear for that gang (backfill).",
     )
     ttl_seconds_after_finished: int | None = Field(
         None,
