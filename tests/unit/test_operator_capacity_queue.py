@@ -23,6 +23,7 @@ from meshtrain.operator.policy import (
     feasibility,
     identity,
     job_state,
+    naming,
     rescheduling,
     reservation,
 )
@@ -571,40 +572,119 @@ def _limited(
     return ref, spec.model_copy(update={"run_policy": policy}), demand
 
 
+def _running_job(name: str, uid: str, deadline: int | None, started: float) -> dict[str, Any]:
+    """A TrainingJob as the API server holds it, started at ``started`` (epoch seconds)."""
+    policy = {"terminationGracePeriodSeconds": 10}
+    if deadline is not None:
+        policy["activeDeadlineSeconds"] = deadline
+    stamp = datetime.datetime.fromtimestamp(started, datetime.UTC)
+    return {
+        "metadata": {"name": name, "namespace": "ns", "uid": uid, "resourceVersion": "1"},
+        "spec": {"runPolicy": policy},
+        "status": {"phase": "Running", "startTime": stamp.strftime("%Y-%m-%dT%H:%M:%SZ")},
+    }
+
+
+def _our_pod(job: dict[str, Any], node: str, index: int = 0) -> dict[str, Any]:
+    """A running pod of ``job`` on ``node`` (8 GPUs), as the operator creates them."""
+    pod = _bound(f"{job['metadata']['name']}-{index}", node)
+    pod["metadata"].update(
+        namespace="ns",
+        labels={
+            naming.LABEL_MANAGED_BY: naming.MANAGED_BY,
+            naming.LABEL_JOB: job["metadata"]["name"],
+        },
+        ownerReferences=[
+            {
+                "apiVersion": f"{naming.GROUP}/v1alpha1",
+                "kind": api_spec.KIND,
+                "name": job["metadata"]["name"],
+                "uid": job["metadata"]["uid"],
+                "controller": True,
+            }
+        ],
+    )
+    return pod
+
+
 def test_a_job_whose_deadline_ends_it_before_the_reserved_nodes_clear_backfills_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The EASY rule: the holder cannot start before the declared end of what runs on its nodes
-    (``clear_by``); a waiting job whose own declared end comes no later may take them, is woken
-    for them, and its plan sees them; a job without a deadline, or a longer one, may not; and a
-    reserved node set with an unbounded job on it lets nobody backfill."""
+    """The EASY rule on the cache: the reserved nodes are clear for the holder by the latest
+    declared end of the meshtrain jobs on them; while the holder cannot start, a waiting job
+    whose own declared end comes no later may take them (its plan sees them, a change wakes it
+    for them), a job without a deadline or with a longer one may not.  The clear time follows
+    the cache: a job on them ending early brings it in at once, a job without a deadline there
+    closes backfill, and once the holder could start on its nodes backfill closes too."""
     cache, queue, clock = _three_free_nodes(monkeypatch)
+    cache.pods.remove(_bound("busy", "n0"))
+    clock[0] = 2000.0
+    slack, grace = reservation.ENFORCE_SLACK_SECONDS, 10
+    early = _running_job("early", "uid-early", 600, started=1900.0)  # gone by 2540 + slack
+    late = _running_job("late", "uid-late", 3000, started=1900.0)  # gone by 4910 + slack
+    for job, node in ((early, "n1"), (late, "n2")):
+        cache.jobs.upsert(job)
+        cache.pods.upsert(_our_pod(job, node))
+    cache.pods.upsert(_bound("theirs", "n0"))  # another tenant's: never counted free
     large = _job("large", 4)
-    queue.enter(*large)
-    clock[0] = 2000.0  # past RESERVE_AFTER_SECONDS: it holds
-    slack = reservation.ENFORCE_SLACK_SECONDS
-    short, long_, unbounded = _limited("short", 3, 100), _limited("long", 3, 1000), _job("none", 3)
+    queue.enter(*large, since=0.0)
+    short, long_, unbounded = _limited("short", 2, 2000), _limited("long", 2, 5000), _job("none", 2)
     for job in (short, long_, unbounded):
         queue.enter(*job)
-    kept = frozenset({"n1", "n2", "n3"})  # n0 is busy: outside them no job of 3 pods fits
-    clears = clock[0] + 500.0
-    queue.reservation = reservation.Reservation("uid-large", kept, queue.basis(), 0.0, clears)
-    assert clock[0] + 100 + 10 + slack <= clears < clock[0] + 1000
-    assert queue.excluded("uid-short", reservation.job_end(short[1], {}, clock[0])) == frozenset()
-    assert queue.excluded_for(_state(*short)) == frozenset()
+    kept = frozenset({"n1", "n2", "n3", "n4"})
+    cache.nodes.upsert(_node("n4"))
+    _reserve(queue, "uid-large", *kept)
+    assert queue.holder() == queue.entries["uid-large"]
+    assert queue.reserved_clear() == 1900.0 + 3000 + grace + slack  # the later of the two
+    assert queue.excluded_for(_state(*short)) == frozenset()  # 2000 + 2000 + 40 <= 4940
     assert queue.excluded_for(_state(*long_)) == kept
     assert queue.excluded_for(_state(*unbounded)) == kept
     keys = [("ns", "short"), ("ns", "long"), ("ns", "none")]
-    assert queue.wake(keys) == [("ns", "short")]  # 3 reserved slots free: only it may use them
+    assert queue.wake(keys) == [("ns", "short")]  # n3 and n4 free, both reserved
     # a job that started earlier is bounded from its start time, not from now
-    started = {"startTime": "1970-01-01T00:00:00Z"}  # the epoch: 2,000 s ago
-    assert queue.excluded_for(_state(*long_, status=started)) == frozenset()
-    # the declared end moves with time for a job not started: past the clear time, no backfill
-    clock[0] = clears - 100 - 10 - slack + 1
-    assert queue.excluded_for(_state(*short)) == kept
-    # a job on the reserved nodes without a deadline: their clear time is unknown
-    unknown = reservation.Reservation("uid-large", kept, queue.basis(), 0.0, None)
-    assert reservation.excluded(unknown, "uid-short", 0.0) == kept
+    started = {"startTime": "1970-01-01T00:00:00Z"}  # 2,000 s ago: gone by 5040 > 4940
+    assert queue.excluded_for(_state(*long_, status=started)) == kept
+    assert queue.excluded_for(_state(*_limited("older", 2, 4800), status=started)) == frozenset()
+
+    cache.pods.remove(_our_pod(late, "n2"))  # the later job ends early: no re-plan needed
+    assert queue.reserved_clear() == 1900.0 + 600 + grace + slack
+    assert queue.excluded_for(_state(*short)) == kept  # 4040 > 2540
+
+    unlimited = _running_job("late", "uid-late", None, started=1900.0)  # its deadline removed
+    unlimited["metadata"]["resourceVersion"] = "2"
+    cache.jobs.upsert(unlimited)
+    cache.pods.upsert(_our_pod(late, "n2", 1))  # a job there without a deadline: unknown end
+    assert queue.reserved_clear() is None
+    assert queue.excluded_for(_state(*_limited("tiny", 1, 1))) == kept
+
+    cache.pods.remove(_our_pod(late, "n2", 1))
+    cache.pods.remove(_our_pod(early, "n1"))  # all four free: the holder may start, it goes first
+    assert queue.reserved_clear() == clock[0]
+    assert queue.excluded_for(_state(*_limited("tiny", 1, 1))) == kept
+
+
+def test_a_job_whose_backfill_ended_with_time_alone_is_not_planned_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An unstarted job's declared end moves with the clock: once past the reserved nodes'
+    clear time it may use fewer nodes than its last plan saw, and no capacity changed: no plan
+    (issue #36's one plan per admitting change)."""
+    cache, queue, clock = _three_free_nodes(monkeypatch)
+    clock[0] = 2000.0
+    filler = _running_job("filler", "uid-filler", 600, started=1900.0)  # clear by 2540
+    cache.jobs.upsert(filler)
+    cache.pods.upsert(_our_pod(filler, "n1"))
+    cache.nodes.upsert(_node("n4"))  # free, outside the reservation: the slot count admits it
+    large = _job("large", 4)
+    queue.enter(*large, since=0.0)
+    short = _limited("short", 1, 400)  # 2000 + 440 <= 2540
+    queue.enter(*short)
+    _reserve(queue, "uid-large", "n1", "n2", "n3")
+    queue.planning(short[0], 1)  # its plan saw the reserved nodes
+    assert queue.excluded_for(_state(*short)) == frozenset()
+    clock[0] = 2200.0  # now its end, 2640, comes after the clear time
+    assert queue.excluded_for(_state(*short)) == {"n1", "n2", "n3"}
+    assert queue.unchanged(short[0], 1)
 
 
 def test_the_reserved_nodes_clear_by_the_latest_declared_end_of_the_pods_on_them() -> None:

@@ -660,6 +660,10 @@ def test_the_pass_that_fails_a_job_at_its_deadline_is_due_at_the_deadline() -> N
     assert failure.pass_at_deadline(running, "Running", T0 + later) == 15.0
     assert failure.pass_at_deadline(running, "Running", T0 + 2 * later) == 0.0  # overdue: now
     assert failure.pass_at_deadline(running, "Failed", T0) is None  # finished
+    assert failure.pass_at_deadline(running, "Suspended", T0 + 2 * later) is None  # no hot loop
+    suspending = limited | {"runPolicy": {"activeDeadlineSeconds": 60, "suspend": True}}
+    asked = job(suspending, **placed_status(phase="Running"))
+    assert failure.pass_at_deadline(asked, "Running", T0 + 2 * later) is None
     assert failure.pass_at_deadline(job(limited), "Pending", T0) is None  # not started
     unlimited = job(JobBuilder().layout(data=2, gpus_per_node=1).raw(), **placed_status())
     assert failure.pass_at_deadline(unlimited, "Running", T0) is None

@@ -493,15 +493,14 @@ class Placer:
             reserved = None  # it waits: the node set it holds, when one is due
             if placed is None:
                 reserved = await reserving.refresh(self.waiting, self.fit, step[1], demand)
-            backfilled = reserving.backfilled(self.waiting, ref.uid, placed)
+            backfilled = reserving.backfilled(self.waiting, step[1], placed)
         if reserved is not None:
             said = reservation.described(reserved)
             await self.writer.emit(step[0], "Normal", conditions.NODES_RESERVED, said)
-        if backfilled:
+        if backfilled is not None:
             metrics.BACKFILLS.labels(namespace=ref.namespace).inc()
-            said = reservation.backfilled(len(backfilled))
-            logger.info("%s/%s backfilled: %s", ref.namespace, ref.name, said)
-            await self.writer.emit(step[0], "Normal", conditions.BACKFILLED, said)
+            logger.info("%s/%s backfilled: %s", ref.namespace, ref.name, backfilled)
+            await self.writer.emit(step[0], "Normal", conditions.BACKFILLED, backfilled)
         if placed is None:
             return step
         return await self._create(step, *placed)

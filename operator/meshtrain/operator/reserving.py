@@ -65,8 +65,7 @@ async def _plan(
         sized = None
     answer = None if sized is None else sized.answer
     kept = frozenset(answer.nodes) if isinstance(answer, placement.Placement) else frozenset()
-    cleared = _clear_by(fit, ref.uid, kept)
-    planned = reservation.Reservation(ref.uid, kept, queue.basis(), time.monotonic(), cleared)
+    planned = reservation.Reservation(ref.uid, kept, queue.basis(), time.monotonic())
     before, queue.reservation = queue.reservation, planned
     if before is not None and before.nodes - kept:  # nodes other waiting jobs may take again
         queue.released()
@@ -79,25 +78,18 @@ async def _plan(
         return planned
     logger.info(
         "%s/%s holds the reservation: %d node(s) kept for it; %s",
-        *(ref.namespace, ref.name, len(kept), _backfill_note(cleared)),
+        *(ref.namespace, ref.name, len(kept), _backfill_note(queue.reserved_clear())),
     )
     return planned
-
-
-def _clear_by(fit: gang_fit.GangFit, holder: str, kept: frozenset[str]) -> float | None:
-    """When ``kept`` is clear of meshtrain's pods by their jobs' declared limits
-    (``reservation.clear_by``); None: some job there declares none."""
-    now = time.time()
-    holding = [(uid, pod) for uid, pod in fit.cache.holding(kept) if uid != holder]
-    jobs = fit.cache.jobs_by_uid(uid for uid, _ in holding)
-    ends = (reservation.pod_end(pod, jobs.get(uid), now) for uid, pod in holding)
-    return reservation.clear_by(ends, now)
 
 
 def _backfill_note(cleared: float | None) -> str:
     if cleared is None:
         return "no backfill (a job on them declares no runPolicy.activeDeadlineSeconds)"
-    return f"jobs whose deadline ends them within {cleared - time.time():.0f} s may backfill"
+    return (
+        f"backfill by jobs gone within {cleared - time.time():.0f} s (deadline, grace and "
+        f"{reservation.ENFORCE_SLACK_SECONDS:.0f} s) while it cannot start"
+    )
 
 
 def outside(
@@ -118,14 +110,22 @@ def outside(
 
 def backfilled(
     queue: waiting.Queue,
-    uid: str,
+    job: job_state.JobState,
     placed: tuple[placement_outcome.Placed, Any] | None,
-) -> frozenset[str]:
-    """The reserved nodes job ``uid``'s placement took (its declared limit let it backfill)."""
+) -> str | None:
+    """The ``Backfilled`` Event's message when ``job``'s placement took reserved nodes (its
+    declared limit let it backfill); None when it took none."""
     held = queue.holder()
-    if placed is None or held is None or held.uid == uid:
-        return frozenset()
-    return frozenset(placed[0].nodes) & queue.reserved_nodes()
+    if placed is None or held is None or held.uid == job.ref.uid:
+        return None
+    taken = frozenset(placed[0].nodes) & queue.reserved_nodes()
+    if not taken:
+        return None
+    key = queue.key_of(held.uid)
+    holder = "another job" if key is None else f"{key[0]}/{key[1]}"
+    spec = job.declared or job.spec
+    ends = None if spec is None else reservation.job_end(spec, job.status, time.time())
+    return reservation.backfilled(len(taken), holder, ends, queue.reserved_clear())
 
 
 def unplaced(
@@ -148,5 +148,5 @@ def unplaced(
     )
     if not room:
         return outcome
-    message = reservation.message(held.need.pods, len(kept))
+    message = reservation.message(held.need.pods, len(kept), queue.reserved_clear() is not None)
     return placement_outcome.unplaced(job, conditions.RESERVED, message, clock.now())

@@ -26,7 +26,7 @@ import time
 from collections.abc import Hashable, Iterable
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.cluster import clock, informer
+from meshtrain.operator.cluster import clock, informer, kube
 from meshtrain.operator.policy import (
     capacity_queue,
     feasibility,
@@ -120,6 +120,8 @@ class Queue:
         self._held_back: dict[str, Key] = {}
         """UID -> (namespace, name) of the jobs :meth:`hold_back` held back: woken when the last
         job that may hold settles (no pass every second while they wait)."""
+        self._clear_memo: tuple[tuple[object, ...], tuple[bool, float | None]] | None = None
+        """(what it was counted on, :meth:`_counted`'s answer)."""
         self._unfit: dict[str, int] = {}
         """UID -> node changes when its reservation's plan found no place: it may not hold until
         the nodes change."""
@@ -143,8 +145,11 @@ class Queue:
         """What of the reservation job ``uid``'s plan depends on: the holder, for any other job
         how often a node set let nodes go (the holder's own plan may use its nodes, as may a job
         that backfills), and whether it may backfill."""
-        holder = self._holder_uid()
-        backfills = holder != uid and self._backfills(uid)
+        held = self.holder()
+        holder = None if held is None else held.uid
+        backfills = holder != uid and reservation.may_backfill(
+            self._backfill_clear(held), self._ends(uid)
+        )
         return holder, 0 if holder == uid or backfills else self._released, backfills
 
     def _ends(self, uid: str) -> float | None:
@@ -154,11 +159,45 @@ class Queue:
             return None
         return reservation.job_end(spec, self._started.get(uid, {}), time.time())
 
-    def _backfills(self, uid: str) -> bool:
-        """Whether waiting job ``uid`` may take the reserved nodes (``reservation.may_backfill``)."""
-        if not self.reserved_nodes():
-            return False
-        return reservation.may_backfill(self.reservation, self._ends(uid))
+    def _backfill_clear(self, held: capacity_queue.Waiting | None) -> float | None:
+        """When the reserved nodes are clear for their holder ``held`` by the declared limits of
+        the jobs on them, while backfill is open: a node set is planned for it and it cannot
+        start there now (it goes first once it can).  None: closed, or a job there declares no
+        limit."""
+        counted = self._counted(held)
+        return None if counted is None or not counted[0] else counted[1]
+
+    def reserved_clear(self) -> float | None:
+        """When the reserved nodes are clear of the jobs on them by their declared limits,
+        whether or not the holder could start now (None: none reserved, or a job there declares
+        no limit)."""
+        counted = self._counted(self.holder())
+        return None if counted is None else counted[1]
+
+    def _counted(self, held: capacity_queue.Waiting | None) -> tuple[bool, float | None] | None:
+        """(whether ``held`` cannot start on its node set now, when that set is clear by the
+        declared limits: ``reservation.clear_by``); None when no node set is planned for it.
+        Counted on the cache as it is, again only after a pod, job, assumption or node changed."""
+        kept = self.reservation
+        if held is None or kept is None or kept.holder != held.uid or not kept.nodes:
+            return None
+        cache = self.cache
+        key = (
+            *(kept.holder, kept.at, cache.pods.changes, cache.jobs.changes),
+            *(cache.assumed.changes, cache.nodes.changes),
+        )
+        if self._clear_memo is None or self._clear_memo[0] != key:
+            self._clear_memo = (key, (self._short(held) is not False, self._clear_by(kept)))
+        return self._clear_memo[1]
+
+    def _clear_by(self, kept: reservation.Reservation) -> float | None:
+        now = time.time()
+        ends = (
+            reservation.pod_end(pod, job, now)
+            for job, pod in self.cache.holding(kept.nodes)
+            if ((job or {}).get("metadata") or {}).get("uid") != kept.holder
+        )
+        return reservation.clear_by(ends, now)
 
     def released(self) -> None:
         """The holder's node set was planned again and let nodes go: the other waiting jobs are
@@ -168,6 +207,10 @@ class Queue:
     def _holder_uid(self) -> str | None:
         held = self.holder()
         return None if held is None else held.uid
+
+    def key_of(self, uid: str) -> Key | None:
+        """(namespace, name) of the waiting job ``uid`` (None: not waiting)."""
+        return next((key for key, found in self._uids.items() if found == uid), None)
 
     def uid_of(self, key: Key) -> str | None:
         """The UID of the waiting job ``key`` (None: not waiting)."""
@@ -196,6 +239,9 @@ class Queue:
         changed = (planned[0], *planned[2:]) != (mark[0], *mark[2:])
         if not timed and not changed:
             return True  # its last plan saw this very capacity: it would place nothing again
+        narrowed = planned[4] and not mark[4] and (planned[0], planned[2]) == (mark[0], mark[2])
+        if not timed and narrowed:
+            return True  # only its backfill ended: it may use fewer nodes than its last plan saw
         known = self._verdicts.get(ref.uid)
         if timed or known is None or known[0] != mark:  # the verdict changes with what it may use
             known = self._verdicts[ref.uid] = (mark, bool(self.wake([(ref.namespace, ref.name)])))
@@ -250,7 +296,7 @@ class Queue:
         (``GangFit.avoided_until``): an exclusion that ends with time, not with a capacity change;
         ``held_until``: monotonic time a preferred level stops holding it for one domain, one
         of each of the ``held_in`` labels; ``started``: its ``status.startTime`` (its declared
-        limit runs from then, :meth:`_backfills`).
+        limit runs from then, :meth:`_reserved_for`).
         """
         unknown = unknown or bool(self.cache.inventory().devices)  # slices may serve it
         need = need_of(spec, demand, unknown)
@@ -352,9 +398,13 @@ class Queue:
         ``excluding`` nodes out; only the ``only`` nodes, when given)."""
         demand = self._demands[shape]
         total = 0
-        for node in self.cache.nodes.values():
+        if only is None:
+            nodes: Iterable[kube.Body] = self.cache.nodes.values()
+        else:  # those nodes alone (a reserved set): not a walk over the fleet
+            nodes = (n for name in only if (n := self.cache.nodes.get(("", name))) is not None)
+        for node in nodes:
             name = (node.get("metadata") or {}).get("name") or ""
-            if name in excluding or (only is not None and name not in only):
+            if name in excluding:
                 continue
             used = self.cache.node_usage(name) or feasibility.Usage()
             total += feasibility.slots(demand, node, used, 1 << 30)
@@ -439,10 +489,17 @@ class Queue:
         return self.reservation.nodes
 
     def excluded(self, uid: str, ends: float | None = None) -> frozenset[str]:
-        """The reserved nodes job ``uid``, whose pods are gone by ``ends``, may not take
-        (``reservation.excluded``)."""
-        kept = self.reserved_nodes()
-        return reservation.excluded(self.reservation, uid, ends) if kept else kept
+        """The reserved nodes job ``uid``, whose pods are gone by ``ends`` (None: not bounded),
+        may not take (``reservation.excluded``)."""
+        held = self.holder()
+        if held is None or self.reservation is None or self.reservation.holder != held.uid:
+            return frozenset()
+        backfills = reservation.may_backfill(self._backfill_clear(held), ends)
+        return reservation.excluded(self.reservation, uid, backfills)
+
+    def backfill_clear(self) -> float | None:
+        """:meth:`_backfill_clear` for the holder there is now (None: backfill closed)."""
+        return self._backfill_clear(self.holder())
 
     def excluded_for(self, job: job_state.JobState) -> frozenset[str]:
         """:meth:`excluded` for ``job`` by its declared limit (``reservation.job_end``)."""
@@ -460,13 +517,14 @@ class Queue:
             needs[key] = entry.need if entry is not None else None
         held = self.holder()
         reserved = self.reserved_nodes()
+        clear = self._backfill_clear(held) if reserved else None
         holds = {
             k
             for k in needs
             if held is not None
             and (
                 self._uids.get(k) == held.uid
-                or (reserved and self._backfills(self._uids.get(k, "")))
+                or reservation.may_backfill(clear, self._ends(self._uids.get(k, "")))
             )
         }
         found = set(capacity_queue.admissible({k: needs[k] for k in holds}, self.free_slots))

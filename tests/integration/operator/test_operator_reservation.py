@@ -14,12 +14,14 @@ when another node can take it.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
+from meshtrain.operator.policy import reservation
 from tests.builders import POOL_LABEL, JobBuilder
 from tests.integration.operator.cluster import Cluster, OperatorProcess, wait_for
 from tests.integration.operator.test_operator_chaos import Kubelet
@@ -43,6 +45,10 @@ def _bound_nodes(cluster: Cluster, namespace: str, job: str) -> set[str]:
         return set(nodes) if pods and all(nodes) else None
 
     return wait_for(f"{namespace}/{job} bound", bound, 60)
+
+
+def _seconds(stamp: str) -> float:
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
 def _holds(log: str) -> int:
@@ -192,7 +198,10 @@ def test_a_job_whose_deadline_ends_it_before_the_reserved_nodes_clear_backfills_
         cluster.apply(short.run_policy(activeDeadlineSeconds=20))
         assert _bound_nodes(cluster, namespace, "short") <= leaf_a
         (event,) = cluster.events(namespace, "short", "Backfilled")
-        assert "reserved for the job that has waited longest" in event.message
-        cluster.wait_reason(namespace, "short", "Failed", "DeadlineExceeded", timeout=90)
+        assert f"reserved for {namespace}/big, the job that has waited longest" in event.message
+        failed = cluster.wait_reason(namespace, "short", "Failed", "DeadlineExceeded", timeout=90)
+        started = cluster.status(namespace, "short")["startTime"]
+        ran = _seconds(failed["lastTransitionTime"]) - _seconds(started)
+        assert 20 <= ran <= 20 + reservation.ENFORCE_SLACK_SECONDS, ran  # its bound held
         for name in ("unlimited", "too-long", "big"):  # nothing else took the reserved nodes
             assert not [p for p in cluster.pods(namespace, name) if p.spec.node_name], name

@@ -54,6 +54,8 @@ class Assumed:
         """(until, key) in the order assumed: ``until`` never decreases along it."""
         self.expired = 0
         """Assumptions that ran out before their pod appeared (the metric's source)."""
+        self.changes = 0
+        """Assumptions made or ended so far (what was computed on them is current while equal)."""
 
     def assume(
         self, job: str, pods: Iterable[tuple[Key, str, Mapping[str, int]]], now: float
@@ -67,6 +69,7 @@ class Assumed:
             self._by_job.setdefault(job, set()).add(key)
             self._expiry.append((until, key))
             self._charge(node, charged, 1)
+            self.changes += 1
             count += 1
         return count
 
@@ -104,6 +107,7 @@ class Assumed:
         found = self.pods.pop(key, None)
         if found is None:
             return
+        self.changes += 1
         self._charge(found.node, found.charged, -1)
         keys = self._by_job.get(found.job)
         if keys is not None:

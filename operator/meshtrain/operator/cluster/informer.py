@@ -417,6 +417,8 @@ class Cache:
         free without reading every pod."""
         self._usage_of: dict[str, feasibility.Usage] = {}
         """Node -> its usage as last asked for; dropped when a pod on the node changes."""
+        self._our_pods: dict[str, Counter[Key]] = {}
+        """Node -> the meshtrain pods charged to it (:meth:`holding`)."""
         self.assumed = assumed.Assumed(functools.partial(self._charge_amounts, ours=True))
         """Pods of planned gangs charged to their nodes before they exist (:meth:`assume`)."""
         self.waker: Waker = _Counted(self, _Asleep())
@@ -438,28 +440,29 @@ class Cache:
         )
         return [p for p in found if p is not None]
 
-    def holding(self, nodes: frozenset[str]) -> Iterator[tuple[str, kube.Body | None]]:
-        """(job UID, pod) of each meshtrain pod that takes resources on one of ``nodes``, and
-        (job UID, None) of each pod assumed there (the reservation's backfill bound)."""
-        for pod in self.pods.values():
-            uid = capacity.controller_uid(pod)
-            if uid is not None and reservation.is_ours(pod) and self._node_of(pod) in nodes:
-                yield uid, pod
-        for assumption in list(self.assumed.pods.values()):
-            if assumption.node in nodes:
-                yield assumption.job, None
-
-    def jobs_by_uid(self, uids: Iterable[str]) -> dict[str, kube.Body]:
-        """The cached TrainingJobs of ``uids`` by UID (those the cache holds)."""
-        wanted = set(uids)
-        if not wanted:
-            return {}
-        found = {}
-        for job in self.jobs.values():
-            uid = (job.get("metadata") or {}).get("uid")
-            if uid in wanted:
-                found[uid] = job
-        return found
+    def holding(self, nodes: Iterable[str]) -> Iterator[tuple[kube.Body | None, kube.Body | None]]:
+        """(its TrainingJob as cached, pod) of each meshtrain pod that takes resources on one of
+        ``nodes``, and (job, None) of each pod assumed there; the job None when the cache holds
+        none of that UID (the reservation's backfill bound: ``reservation.pod_end``)."""
+        nodes = frozenset(nodes)
+        for node in nodes:
+            for key in list(self._our_pods.get(node, ())):
+                pod = self.pods.get(key)
+                if pod is None:
+                    continue
+                job = self.jobs.get((key[0], job_of(pod) or ""))
+                uid = ((job or {}).get("metadata") or {}).get("uid")
+                yield (job if uid and uid == capacity.controller_uid(pod) else None), pod
+        # pods being created: only the gangs placed in the last moments (``assumed``)
+        assumed_jobs = {a.job for a in list(self.assumed.pods.values()) if a.node in nodes}
+        if assumed_jobs:
+            found = {}
+            for job in self.jobs.values():  # assumptions name their job by UID: rare, brief
+                uid = (job.get("metadata") or {}).get("uid")
+                if uid in assumed_jobs:
+                    found[uid] = job
+            for uid in assumed_jobs:
+                yield found.get(uid), None
 
     def _node_of(self, pod: kube.Body) -> str | None:
         """The node ``pod`` takes resources on, as :func:`capacity.counted_node` says."""
@@ -555,7 +558,15 @@ class Cache:
     def _charge(self, pod: kube.Body, node: str | None, sign: int) -> None:
         if node:
             amounts = _charged(pod, bool(self._devices))
-            self._charge_amounts(node, amounts, sign, ours=reservation.is_ours(pod))
+            ours = reservation.is_ours(pod)
+            self._charge_amounts(node, amounts, sign, ours=ours)
+            if ours:
+                keys = self._our_pods.setdefault(node, Counter())
+                keys[_key(pod)] += sign
+                if keys[_key(pod)] <= 0:
+                    del keys[_key(pod)]
+                    if not keys:
+                        del self._our_pods[node]
 
     def _charge_amounts(
         self, node: str, amounts: Mapping[str, int], sign: int, *, ours: bool = False

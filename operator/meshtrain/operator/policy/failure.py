@@ -158,12 +158,12 @@ def deadline_left(
     return (started + datetime.timedelta(seconds=deadline) - now).total_seconds()
 
 
-def pass_at_deadline(
-    job: job_state.JobState, phase: str, now: datetime.datetime
-) -> float | None:
+def pass_at_deadline(job: job_state.JobState, phase: str, now: datetime.datetime) -> float | None:
     """Seconds until the pass that fails a job at its deadline is due (None: no deadline, not
-    started, or finished)."""
-    if phase in job_state.FINAL or job.spec is None:
+    started, finished, or suspended: the deadline fails only a job that may run, and a resume
+    clears ``startTime``)."""
+    suspended = phase == job_state.Phase.SUSPENDED.value
+    if phase in job_state.FINAL or suspended or job.spec is None or job.spec.run_policy.suspend:
         return None
     left = deadline_left(job.spec, job.status, now)
     return None if left is None else max(left, 0.0)

@@ -11,14 +11,14 @@ again only when its holder changes, or when nodes or capacity changed and
 :data:`REPLAN_AFTER_SECONDS` passed since its last plan (:func:`due`).
 
 Backfill by declared time limits (the EASY rule of batch schedulers): when every meshtrain job
-holding GPUs on the reserved nodes declares ``runPolicy.activeDeadlineSeconds``, the holder
-cannot start before the latest of their ends (:func:`end_bound`: start time, deadline, the
-pods' grace to stop, :data:`ENFORCE_SLACK_SECONDS`), its :attr:`Reservation.clear_by`.  A job
-whose own end bound comes no later may take the reserved nodes (:func:`may_backfill`): it is
-gone before the holder could have started, so the holder waits no longer for it than the
-declared limits already made it wait.  A job without a deadline never backfills, and one
-without a deadline on the reserved nodes turns backfill off for that node set (its end is
-unknown).
+holding GPUs on the reserved nodes declares ``runPolicy.activeDeadlineSeconds``, the nodes are
+clear for the holder, at the latest, by the last of their ends (:func:`end_bound`: start time,
+deadline, the pods' grace to stop, :data:`ENFORCE_SLACK_SECONDS`; :func:`clear_by`).  While the
+holder cannot start, a job whose own end bound comes no later may take the reserved nodes
+(:func:`may_backfill`): it is gone by then, so it never delays the holder past the latest
+declared end already on its nodes (it may delay it past their actual ends, which come earlier).
+A job without a deadline never backfills, and one without a deadline on the reserved nodes turns
+backfill off for that node set (its end is unknown).
 """
 
 from __future__ import annotations
@@ -63,9 +63,6 @@ class Reservation:
     """(node changes, capacity changes) as counted when it was planned."""
     at: float
     """Monotonic time it was planned."""
-    clear_by: float | None = None
-    """Seconds since the epoch by which every meshtrain pod on :attr:`nodes` is gone by its job's
-    declared limit (:func:`clear_by`); None: some job there declares none (no backfill)."""
 
 
 def due(
@@ -82,20 +79,19 @@ def due(
     return current.basis != basis and now - current.at >= every
 
 
-def excluded(current: Reservation | None, uid: str, ends: float | None = None) -> frozenset[str]:
-    """The nodes job ``uid``, whose pods are gone by ``ends`` (:func:`end_bound`; None: not
-    bounded), may not take: the reservation's, unless it holds it or may backfill."""
-    if current is None or current.holder == uid or may_backfill(current, ends):
+def excluded(current: Reservation | None, uid: str, backfills: bool = False) -> frozenset[str]:
+    """The nodes job ``uid`` may not take: the reservation's, unless it holds it or
+    ``backfills`` (:func:`may_backfill`)."""
+    if current is None or current.holder == uid or backfills:
         return frozenset()
     return current.nodes
 
 
-def may_backfill(current: Reservation | None, ends: float | None) -> bool:
-    """Whether a job whose pods are gone by ``ends`` may take ``current``'s nodes: both bounds
-    are known and its end comes no later than they clear for the holder."""
-    if current is None or current.clear_by is None or ends is None:
-        return False
-    return ends <= current.clear_by
+def may_backfill(clear: float | None, ends: float | None) -> bool:
+    """Whether a job whose pods are gone by ``ends`` (:func:`end_bound`) may take reserved nodes
+    that are clear for their holder by ``clear`` (:func:`clear_by`): both are known and it ends
+    no later."""
+    return clear is not None and ends is not None and ends <= clear
 
 
 def end_bound(
@@ -224,22 +220,37 @@ def may_hold(job: Mapping[str, Any], now: datetime.datetime, after: float) -> bo
     return now.timestamp() - since_of(status, now) >= after
 
 
-def message(pods: int, nodes: int) -> str:
-    """Why a job that the reserved nodes would have placed waits (stable per holder)."""
+def message(pods: int, nodes: int, bounded: bool) -> str:
+    """Why a job that the reserved nodes would have placed waits (stable per holder); whether
+    every job on them declares a limit (``bounded``: a limit of this job's own could backfill)."""
+    how = (
+        "or on them now with a runPolicy.activeDeadlineSeconds that ends this job before the "
+        "jobs on them end by their own limits (backfill)"
+        if bounded
+        else "(no backfill: a job on them declares no runPolicy.activeDeadlineSeconds)"
+    )
     return (
         f"{nodes} node(s) are reserved for the job that has waited longest at the highest "
         f"priority ({pods} pod(s)); no placement without them fits now: placed once it starts "
-        "or room outside them frees, or on them now with a runPolicy.activeDeadlineSeconds that "
-        "ends this job before they clear for it (backfill)"
+        f"or room outside them frees, {how}"
     )
 
 
-def backfilled(nodes: int) -> str:
-    """The event of a job placed on reserved nodes (:func:`may_backfill`)."""
+def backfilled(nodes: int, holder: str, ends: float | None, clear: float | None) -> str:
+    """The event of a job placed on reserved nodes (:func:`may_backfill`), ``holder`` being
+    ``namespace/name`` of the job they are kept for."""
     return (
-        f"placed on {nodes} node(s) reserved for the job that has waited longest: its "
-        "runPolicy.activeDeadlineSeconds ends it before that job could start there"
+        f"placed on {nodes} node(s) reserved for {holder}, the job that has waited longest: its "
+        f"runPolicy.activeDeadlineSeconds ends it by {_stamp(ends)} (grace and "
+        f"{ENFORCE_SLACK_SECONDS:.0f} s included), and the jobs on those nodes end by "
+        f"{_stamp(clear)} by their own limits"
     )
+
+
+def _stamp(epoch: float | None) -> str:
+    if epoch is None:
+        return "an unknown time"
+    return datetime.datetime.fromtimestamp(epoch, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 SHOWN_NODES = 20
