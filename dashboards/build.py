@@ -502,10 +502,15 @@ OPERATOR_PANELS: list[Panel] = [
                 "plans of the reserved node set",
                 f"sum(rate(meshtrain_operator_reservation_plans_total{{{OPSEL}}}[{RI}]))",
             ),
+            (
+                "gangs backfilled onto reserved nodes",
+                f"sum(rate(meshtrain_operator_backfills_total{{{OPSEL}}}[{RI}]))",
+            ),
         ],
         "Placement attempts that placed nothing, plans of jobs that already waited (woken by "
-        "a capacity change that could admit them, or by their resync), and plans of the node set "
-        "reserved for the job that waited longest.",
+        "a capacity change that could admit them, or by their resync), plans of the node set "
+        "reserved for the job that waited longest, and gangs placed on that set because their "
+        "activeDeadlineSeconds ends them before it clears (backfill).",
     ),
     Panel(
         "Gang restarts",

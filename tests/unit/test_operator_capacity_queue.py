@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import math
 import random
 import time
 from typing import Any
@@ -993,3 +994,12 @@ def test_a_held_job_is_woken_whenever_a_plan_with_its_held_levels_required_would
     planned = placement.plan(placement_request.request_from_spec(spec, held), offered, [])
     if isinstance(planned, placement.Placement):
         assert queue.wake([("ns", "held")]) == [("ns", "held")], (held, offered, planned)
+
+
+def test_the_holder_is_tried_first_on_the_nodes_that_clear_soonest() -> None:
+    """``clearing_limits``: the latest end of the k soonest-clearing nodes, k the holder's pods
+    times 1, 1.25, 1.5 and 2, then every node; unknown ends (``inf``) only in the last."""
+    ends = {f"n{i}": 100.0 + i for i in range(10)} | {"x": math.inf}
+    assert reservation.clearing_limits(ends, 4) == [103.0, 104.0, 105.0, 107.0, math.inf]
+    assert reservation.clearing_limits(ends, 8) == [107.0, 109.0, math.inf]  # capped at 10 known
+    assert reservation.clearing_limits({"x": math.inf}, 1) == [math.inf]

@@ -9,6 +9,7 @@ a replacement may take.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -58,11 +59,21 @@ async def _plan(
     drained = fit.cache.usage(ours_free=True)  # assumed pods are meshtrain's too
     smallest = min(spec.parallelism.data for _, spec in resizing.candidates(declared))
     metrics.RESERVATION_PLANS.labels(namespace=ref.namespace).inc()
-    try:
-        sized = await fit.plan_sizes(job, raw_nodes, nodes, demand, smallest, usage=drained)
-    except (planning.DeadlineExceeded, planning.WorkerFailed) as err:
-        logger.info("%s/%s: reservation not planned: %s", ref.namespace, ref.name, err)
-        sized = None
+    ends = queue.node_ends([name_of(n) for n in raw_nodes])
+    sized = None
+    for limit in reservation.clearing_limits(ends, queue.entries[ref.uid].need.pods):
+        clear = [n for n in raw_nodes if ends.get(name_of(n), math.inf) <= limit]
+        names = {name_of(n) for n in clear}
+        try:
+            sized = await fit.plan_sizes(
+                job, clear, [n for n in nodes if n.name in names], demand, smallest, usage=drained
+            )
+        except (planning.DeadlineExceeded, planning.WorkerFailed) as err:
+            logger.info("%s/%s: reservation not planned: %s", ref.namespace, ref.name, err)
+            sized = None
+            break
+        if isinstance(sized.answer, placement.Placement):
+            break  # the node set that clears soonest by the declared limits
     answer = None if sized is None else sized.answer
     kept = frozenset(answer.nodes) if isinstance(answer, placement.Placement) else frozenset()
     planned = reservation.Reservation(ref.uid, kept, queue.basis(), time.monotonic())
@@ -90,6 +101,10 @@ def _backfill_note(cleared: float | None) -> str:
         f"backfill by jobs gone within {cleared - time.time():.0f} s (deadline, grace and "
         f"{reservation.ENFORCE_SLACK_SECONDS:.0f} s) while it cannot start"
     )
+
+
+def name_of(node: dict[str, Any]) -> str:
+    return str((node.get("metadata") or {}).get("name") or "")
 
 
 def outside(

@@ -190,11 +190,29 @@ class Queue:
             self._clear_memo = (key, (self._short(held) is not False, self._clear_by(kept)))
         return self._clear_memo[1]
 
+    def node_ends(self, names: list[str]) -> dict[str, float]:
+        """Per node, when it is clear of meshtrain's pods by their jobs' declared limits
+        (``reservation.pod_end``; ``math.inf``: some job there declares none); a node without
+        such pods is clear now.  The holder's own pods are not counted."""
+        now, held = time.time(), self.holder()
+        holding = self.cache.holding(names)
+        found = {}
+        for name in names:
+            ends = [
+                reservation.pod_end(pod, job, now)
+                for job, pod in holding.get(name, ())
+                if held is None or ((job or {}).get("metadata") or {}).get("uid") != held.uid
+            ]
+            latest = reservation.clear_by(ends, now)
+            found[name] = math.inf if latest is None else latest
+        return found
+
     def _clear_by(self, kept: reservation.Reservation) -> float | None:
         now = time.time()
         ends = (
             reservation.pod_end(pod, job, now)
-            for job, pod in self.cache.holding(kept.nodes)
+            for held in self.cache.holding(kept.nodes).values()
+            for job, pod in held
             if ((job or {}).get("metadata") or {}).get("uid") != kept.holder
         )
         return reservation.clear_by(ends, now)

@@ -205,3 +205,27 @@ def test_a_job_whose_deadline_ends_it_before_the_reserved_nodes_clear_backfills_
         assert 20 <= ran <= 20 + reservation.ENFORCE_SLACK_SECONDS, ran  # its bound held
         for name in ("unlimited", "too-long", "big"):  # nothing else took the reserved nodes
             assert not [p for p in cluster.pods(namespace, name) if p.spec.node_name], name
+
+
+def test_the_reserved_node_set_is_the_one_that_clears_soonest_by_the_declared_limits(
+    control_plane_binaries, tmp_path
+):
+    """Three nodes: a and c in leaf a, b in leaf b; a job with a one-hour limit holds a, one with
+    a ten-minute limit holds b.  A gang of two that prefers one leaf is reserved b and c, which
+    are clear within about eleven minutes by the limits, not a and c, one leaf but clear only in
+    an hour: the set EASY backfill keeps for the job at the head of the queue."""
+    log = str(tmp_path / "operator.log")
+    with _operated(control_plane_binaries, log, 3) as (cluster, operator, namespace, pool):
+        a = cluster.add_node(pool, gpus=2, labels={LEAF: "a"})
+        c = cluster.add_node(pool, gpus=2, labels={LEAF: "a"})
+        b = cluster.add_node(pool, gpus=2, labels={LEAF: "b"})
+        for name, node, deadline in (("hour", a, 3600), ("minutes", b, 600)):
+            job = JobBuilder(name, namespace, pool).layout(data=2).gpus(2)
+            job.resources(nodeSelector={POOL_LABEL: pool, "kubernetes.io/hostname": node})
+            cluster.apply(job.run_policy(activeDeadlineSeconds=deadline))
+            assert _bound_nodes(cluster, namespace, name) == {node}
+        big = JobBuilder("big", namespace, pool).layout(data=4).gpus(2)  # 2 pods of 2 GPUs
+        cluster.apply(big.topology(levels=[{"label": LEAF, "mode": "preferred"}]))
+        wait_for("its node set reserved", lambda: _holds(log) > 0, 60)
+        (event,) = cluster.events(namespace, "big", "NodesReserved")
+        assert event.message.endswith(", ".join(sorted({b, c})))

@@ -440,11 +440,15 @@ class Cache:
         )
         return [p for p in found if p is not None]
 
-    def holding(self, nodes: Iterable[str]) -> Iterator[tuple[kube.Body | None, kube.Body | None]]:
-        """(its TrainingJob as cached, pod) of each meshtrain pod that takes resources on one of
-        ``nodes``, and (job, None) of each pod assumed there; the job None when the cache holds
-        none of that UID (the reservation's backfill bound: ``reservation.pod_end``)."""
+    def holding(
+        self, nodes: Iterable[str]
+    ) -> dict[str, list[tuple[kube.Body | None, kube.Body | None]]]:
+        """Per node of ``nodes`` that holds any: (its TrainingJob as cached, pod) of each meshtrain
+        pod that takes resources there, and (job, None) of each pod assumed there; the job None
+        when the cache holds none of that UID (the reservation's backfill bound,
+        ``reservation.pod_end``)."""
         nodes = frozenset(nodes)
+        found: dict[str, list[tuple[kube.Body | None, kube.Body | None]]] = {}
         for node in nodes:
             for key in list(self._our_pods.get(node, ())):
                 pod = self.pods.get(key)
@@ -452,17 +456,19 @@ class Cache:
                     continue
                 job = self.jobs.get((key[0], job_of(pod) or ""))
                 uid = ((job or {}).get("metadata") or {}).get("uid")
-                yield (job if uid and uid == capacity.controller_uid(pod) else None), pod
+                mine = job if uid and uid == capacity.controller_uid(pod) else None
+                found.setdefault(node, []).append((mine, pod))
         # pods being created: only the gangs placed in the last moments (``assumed``)
-        assumed_jobs = {a.job for a in list(self.assumed.pods.values()) if a.node in nodes}
-        if assumed_jobs:
-            found = {}
+        assumed_on = [(a.job, a.node) for a in list(self.assumed.pods.values()) if a.node in nodes]
+        if assumed_on:
+            wanted, jobs = {uid for uid, _ in assumed_on}, {}
             for job in self.jobs.values():  # assumptions name their job by UID: rare, brief
                 uid = (job.get("metadata") or {}).get("uid")
-                if uid in assumed_jobs:
-                    found[uid] = job
-            for uid in assumed_jobs:
-                yield found.get(uid), None
+                if uid in wanted:
+                    jobs[uid] = job
+            for uid, node in assumed_on:
+                found.setdefault(node, []).append((jobs.get(uid), None))
+        return found
 
     def _node_of(self, pod: kube.Body) -> str | None:
         """The node ``pod`` takes resources on, as :func:`capacity.counted_node` says."""

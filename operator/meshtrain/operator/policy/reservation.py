@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -116,6 +117,25 @@ def clear_by(ends: Iterable[float | None], now: float) -> float | None:
             return None
         latest = max(latest, end)
     return latest
+
+
+CLEARING_STEPS = (1.0, 1.25, 1.5, 2.0)
+"""Node counts, in multiples of the holder's pods, whose latest declared ends bound the node sets
+tried for it, earliest first (:func:`clearing_limits`); then every node."""
+
+
+def clearing_limits(ends: Mapping[str, float], pods: int) -> list[float]:
+    """The clear times to try the holder's node set under, earliest first: each is the latest
+    declared end (``ends``: per node, ``math.inf`` unknown) of the ``k`` nodes that clear soonest,
+    for ``k`` the holder's ``pods`` times each of :data:`CLEARING_STEPS`; the last is ``inf`` (every
+    node).  Planning on the nodes clear by the first that fits picks the set that frees soonest
+    by the declared limits, as EASY backfill's reservation does, instead of whichever the fabric
+    cost prefers, which may wait for the longest limit there is."""
+    known = sorted(end for end in ends.values() if end != math.inf)
+    limits = {
+        known[min(len(known), math.ceil(pods * step)) - 1] for step in CLEARING_STEPS if known
+    }
+    return [*sorted(limits), math.inf]
 
 
 def job_end(spec: api_spec.TrainingJobSpec, status: Mapping[str, Any], now: float) -> float | None:
