@@ -275,8 +275,8 @@ class Reconciler:
             retry = timed if retry is None else min(retry, timed)  # job's plans may start again
         if retry is not None:
             requeue = retry if requeue is None else min(requeue, retry)
-        if (left := failure.pass_at_deadline(job, phase, clock.now())) is not None:
-            requeue = left if requeue is None else min(requeue, left)
+        if (deadline := failure.pass_at_deadline(job, phase, clock.now())) is not None:
+            requeue = deadline if requeue is None else min(requeue, deadline)
         if any(isinstance(a, job_actions.PollProgress) for a in decision.actions):
             requeue = (
                 self.settings.progress_seconds
