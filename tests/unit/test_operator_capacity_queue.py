@@ -15,7 +15,7 @@ import pytest
 
 from meshtrain import placement
 from meshtrain.api import spec as api_spec
-from meshtrain.operator import gang_fit, handlers, placement_lock, reserving, waiting
+from meshtrain.operator import gang_fit, handlers, placement_lock, planning, reserving, waiting
 from meshtrain.operator.cluster import informer
 from meshtrain.operator.policy import (
     capacity_queue,
@@ -828,6 +828,7 @@ class _PlannedFit:
     def __init__(self, cache: informer.Cache) -> None:
         self.cache = cache
         self.nodes: tuple[str, ...] = ()
+        self.claims: dict[str, Any] = {}
 
     def candidates(self, job: Any, gpu: str, now: Any) -> tuple[list, list, frozenset[str]]:
         return [], [], frozenset()
@@ -865,6 +866,52 @@ def test_a_reservation_that_lets_nodes_go_has_the_other_waiting_jobs_judged_agai
     reserve("n0", "n1", "n2")  # n3 let go
     assert not queue.unchanged(small[0], 1)  # n3 is free: one plan
     assert queue.unchanged(large[0], 1)
+
+
+class _TriedFit(_PlannedFit):
+    """A ``GangFit`` on the cache's nodes whose plans of the holder's node set are recorded: the
+    first ``cut`` tries run out of time, any other places the gang on the nodes it was given."""
+
+    def __init__(self, cache: informer.Cache, cut: int = 0) -> None:
+        super().__init__(cache)
+        self.tries: list[set[str]] = []
+        self.cut = cut
+
+    def candidates(self, job: Any, gpu: str, now: Any) -> tuple[list, list, frozenset[str]]:
+        raw = list(self.cache.nodes.values())
+        return raw, [placement.node_from_manifest(n, gpu) for n in raw], frozenset()
+
+    async def plan_sizes(self, job: Any, raw: list, nodes: list, *_: Any, **__: Any) -> Any:
+        self.tries.append({n.name for n in nodes})
+        if len(self.tries) <= self.cut:
+            raise planning.DeadlineExceeded(10)
+        chosen = tuple(sorted(n.name for n in nodes))[-2:]
+        answer = placement.Placement(chosen, {}, 0.0, (), {})
+        return type("Sized", (), {"answer": answer})()
+
+
+@pytest.mark.parametrize("cut", [0, 1])
+def test_the_holder_s_node_set_is_planned_first_where_the_declared_limits_clear_it_soonest(
+    monkeypatch: pytest.MonkeyPatch, cut: int
+) -> None:
+    """n1's job ends by its limit in 10 minutes, n2's in 50, n3 is free, n0 another tenant's: a
+    gang of two is planned first on n1 and n3 (``reserving._plan``), and on every node only when
+    that try runs out of time (a cut-off try is no verdict on the others)."""
+    cache, queue, clock = _three_free_nodes(monkeypatch)
+    clock[0] = 2000.0
+    for name, node, deadline in (("soon", "n1", 600), ("later", "n2", 3000)):
+        job = _running_job(name, f"uid-{name}", deadline, started=1900.0)
+        cache.jobs.upsert(job)
+        cache.pods.upsert(_our_pod(job, node))
+    large = _job("large", 2)
+    queue.enter(*large, since=0.0)
+    fit = _TriedFit(cache, cut)
+    held = job_state.JobState(large[0], 1, large[1], (), {}, declared=large[1])
+    asyncio.run(reserving._plan(queue, fit, held, large[2]))  # type: ignore[arg-type]
+    every = {"n0", "n1", "n2", "n3"}
+    assert fit.tries == ([{"n1", "n3"}] if cut == 0 else [{"n1", "n3"}, every])
+    assert queue.reservation is not None
+    assert queue.reservation.nodes == ({"n1", "n3"} if cut == 0 else {"n2", "n3"})
 
 
 def test_a_change_of_time_plans_only_where_the_counts_admit_the_job(
@@ -997,9 +1044,13 @@ def test_a_held_job_is_woken_whenever_a_plan_with_its_held_levels_required_would
 
 
 def test_the_holder_is_tried_first_on_the_nodes_that_clear_soonest() -> None:
-    """``clearing_limits``: the latest end of the k soonest-clearing nodes, k the holder's pods
-    times 1, 1.25, 1.5 and 2, then every node; unknown ends (``inf``) only in the last."""
-    ends = {f"n{i}": 100.0 + i for i in range(10)} | {"x": math.inf}
-    assert reservation.clearing_limits(ends, 4) == [103.0, 104.0, 105.0, 107.0, math.inf]
-    assert reservation.clearing_limits(ends, 8) == [107.0, 109.0, math.inf]  # capped at 10 known
-    assert reservation.clearing_limits({"x": math.inf}, 1) == [math.inf]
+    """``clearing_limits``: walking the nodes that can take a pod of the holder from the soonest
+    declared end, the end at which their slots reach its pods times 1, 1.25, 1.5 and 2; then
+    every node.  A node that takes none of its pods, or whose end is unknown, bounds nothing."""
+    ends = {f"n{i}": 100.0 + i for i in range(10)} | {"x": math.inf, "full": 50.0}
+    slots = {f"n{i}": 1 for i in range(10)} | {"x": 1, "full": 0}
+    assert reservation.clearing_limits(ends, slots, 4) == [103.0, 104.0, 105.0, 107.0, math.inf]
+    assert reservation.clearing_limits(ends, slots, 8) == [107.0, 109.0, math.inf]  # 10 known
+    two = {name: 2 for name in slots if name != "full"}  # two pods a node: half the nodes
+    assert reservation.clearing_limits(ends, two, 4) == [101.0, 102.0, 103.0, math.inf]
+    assert reservation.clearing_limits({"x": math.inf}, {"x": 1}, 1) == [math.inf]

@@ -17,7 +17,9 @@ from meshtrain import placement
 from meshtrain.operator import gang_fit, planning, waiting
 from meshtrain.operator.cluster import clock, metrics
 from meshtrain.operator.policy import (
+    capacity,
     conditions,
+    devices,
     feasibility,
     job_state,
     placement_outcome,
@@ -59,19 +61,37 @@ async def _plan(
     drained = fit.cache.usage(ours_free=True)  # assumed pods are meshtrain's too
     smallest = min(spec.parallelism.data for _, spec in resizing.candidates(declared))
     metrics.RESERVATION_PLANS.labels(namespace=ref.namespace).inc()
-    ends = queue.node_ends([name_of(n) for n in raw_nodes])
-    sized = None
-    for limit in reservation.clearing_limits(ends, queue.entries[ref.uid].need.pods):
-        clear = [n for n in raw_nodes if ends.get(name_of(n), math.inf) <= limit]
-        names = {name_of(n) for n in clear}
+    per_pod = declared.resources.gpus_per_node
+    offered, _ = capacity.offered_nodes(
+        demand,
+        raw_nodes,
+        drained,
+        gpus_per_pod=per_pod,
+        pods_wanted=1,
+        claim=fit.claims.get(ref.uid),
+        ask=devices.ask_of(declared, fit.cache.inventory()),
+    )
+    slots = {n.name: n.allocatable_gpus // per_pod for n in offered}
+    ends = queue.node_ends([name for name, room in slots.items() if room])
+    limits = reservation.clearing_limits(ends, slots, queue.entries[ref.uid].need.pods)
+    sized, cut = None, False
+    for limit in limits:
+        last = limit == math.inf
+        names = {n for n, end in ends.items() if end <= limit}
+        if not last and (cut or len(names) == len(ends)):
+            continue  # cut off before, or every node that could take a pod: the last try
         try:
             sized = await fit.plan_sizes(
-                job, clear, [n for n in nodes if n.name in names], demand, smallest, usage=drained
+                job,
+                raw_nodes if last else [n for n in raw_nodes if name_of(n) in names],
+                nodes if last else [n for n in nodes if n.name in names],
+                *(demand, smallest),
+                usage=drained,
             )
         except (planning.DeadlineExceeded, planning.WorkerFailed) as err:
             logger.info("%s/%s: reservation not planned: %s", ref.namespace, ref.name, err)
-            sized = None
-            break
+            sized, cut = None, True  # a try cut off: plan on every node, as without limits
+            continue
         if isinstance(sized.answer, placement.Placement):
             break  # the node set that clears soonest by the declared limits
     answer = None if sized is None else sized.answer

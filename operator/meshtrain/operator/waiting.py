@@ -177,18 +177,21 @@ class Queue:
     def _counted(self, held: capacity_queue.Waiting | None) -> tuple[bool, float | None] | None:
         """(whether ``held`` cannot start on its node set now, when that set is clear by the
         declared limits: ``reservation.clear_by``); None when no node set is planned for it.
-        Counted on the cache as it is, again only after a pod, job, assumption or node changed."""
+        Counted on the cache as it is, again only after a pod, job, assumption, node or the
+        holder's need changed (a clear time passed since is read as now)."""
         kept = self.reservation
         if held is None or kept is None or kept.holder != held.uid or not kept.nodes:
             return None
         cache = self.cache
+        cache.assumed.expire(time.monotonic())  # an assumption ran out: it counts no more
         key = (
-            *(kept.holder, kept.at, cache.pods.changes, cache.jobs.changes),
+            *(kept.holder, kept.at, held.need, cache.pods.changes, cache.jobs.changes),
             *(cache.assumed.changes, cache.nodes.changes),
         )
         if self._clear_memo is None or self._clear_memo[0] != key:
-            self._clear_memo = (key, (self._short(held) is not False, self._clear_by(kept)))
-        return self._clear_memo[1]
+            self._clear_memo = (key, (self._short(held) is True, self._clear_by(kept)))
+        blocked, clear = self._clear_memo[1]
+        return blocked, None if clear is None else max(clear, time.time())  # never in the past
 
     def node_ends(self, names: list[str]) -> dict[str, float]:
         """Per node, when it is clear of meshtrain's pods by their jobs' declared limits
@@ -514,10 +517,6 @@ class Queue:
             return frozenset()
         backfills = reservation.may_backfill(self._backfill_clear(held), ends)
         return reservation.excluded(self.reservation, uid, backfills)
-
-    def backfill_clear(self) -> float | None:
-        """:meth:`_backfill_clear` for the holder there is now (None: backfill closed)."""
-        return self._backfill_clear(self.holder())
 
     def excluded_for(self, job: job_state.JobState) -> frozenset[str]:
         """:meth:`excluded` for ``job`` by its declared limit (``reservation.job_end``)."""

@@ -210,7 +210,8 @@ def test_a_job_whose_deadline_ends_it_before_the_reserved_nodes_clear_backfills_
 def test_the_reserved_node_set_is_the_one_that_clears_soonest_by_the_declared_limits(
     control_plane_binaries, tmp_path
 ):
-    """Three nodes: a and c in leaf a, b in leaf b; a job with a one-hour limit holds a, one with
+    """Three nodes of a pool: a and c in leaf a, b in leaf b (and free nodes of another pool); a
+    job with a one-hour limit holds a, one with
     a ten-minute limit holds b.  A gang of two that prefers one leaf is reserved b and c, which
     are clear within about eleven minutes by the limits, not a and c, one leaf but clear only in
     an hour: the set EASY backfill keeps for the job at the head of the queue."""
@@ -219,6 +220,8 @@ def test_the_reserved_node_set_is_the_one_that_clears_soonest_by_the_declared_li
         a = cluster.add_node(pool, gpus=2, labels={LEAF: "a"})
         c = cluster.add_node(pool, gpus=2, labels={LEAF: "a"})
         b = cluster.add_node(pool, gpus=2, labels={LEAF: "b"})
+        for _ in range(3):  # free, but not the gang's pool: no end of theirs counts
+            cluster.add_node(f"{pool}x", gpus=2, labels={LEAF: "a"})
         for name, node, deadline in (("hour", a, 3600), ("minutes", b, 600)):
             job = JobBuilder(name, namespace, pool).layout(data=2).gpus(2)
             job.resources(nodeSelector={POOL_LABEL: pool, "kubernetes.io/hostname": node})

@@ -120,21 +120,26 @@ def clear_by(ends: Iterable[float | None], now: float) -> float | None:
 
 
 CLEARING_STEPS = (1.0, 1.25, 1.5, 2.0)
-"""Node counts, in multiples of the holder's pods, whose latest declared ends bound the node sets
-tried for it, earliest first (:func:`clearing_limits`); then every node."""
+"""Pod slots, in multiples of the holder's pods, whose nodes' latest declared end bounds each
+node set tried for it, earliest first (:func:`clearing_limits`); then every node."""
 
 
-def clearing_limits(ends: Mapping[str, float], pods: int) -> list[float]:
-    """The clear times to try the holder's node set under, earliest first: each is the latest
-    declared end (``ends``: per node, ``math.inf`` unknown) of the ``k`` nodes that clear soonest,
-    for ``k`` the holder's ``pods`` times each of :data:`CLEARING_STEPS`; the last is ``inf`` (every
-    node).  Planning on the nodes clear by the first that fits picks the set that frees soonest
-    by the declared limits, as EASY backfill's reservation does, instead of whichever the fabric
+def clearing_limits(ends: Mapping[str, float], slots: Mapping[str, int], pods: int) -> list[float]:
+    """The clear times to try the holder's node set under, earliest first, then ``inf`` (every
+    node).  Walking the nodes that can take one of its pods (``slots``: pods of it each takes with
+    meshtrain's pods gone) from the soonest declared end (``ends``; ``inf``: unknown), each limit
+    is the end at which the slots passed reach ``pods`` times a step of :data:`CLEARING_STEPS`.
+    Planning on the nodes clear by the first limit that fits picks a set that frees soonest by
+    the declared limits, as EASY backfill's reservation does, rather than whichever the fabric
     cost prefers, which may wait for the longest limit there is."""
-    known = sorted(end for end in ends.values() if end != math.inf)
-    limits = {
-        known[min(len(known), math.ceil(pods * step)) - 1] for step in CLEARING_STEPS if known
-    }
+    order = sorted((end, name) for name, end in ends.items() if end != math.inf and slots.get(name))
+    limits, total, steps = set(), 0, iter(sorted(CLEARING_STEPS))
+    want = next(steps, None)
+    for end, name in order:
+        total += slots[name]
+        while want is not None and total >= math.ceil(pods * want):
+            limits.add(end)
+            want = next(steps, None)
     return [*sorted(limits), math.inf]
 
 
