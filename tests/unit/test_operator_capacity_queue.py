@@ -721,6 +721,17 @@ def test_the_reserved_nodes_clear_by_the_latest_declared_end_of_the_pods_on_them
     assert (
         reservation.pod_end({}, default, now) == now + 5 + reservation.DEFAULT_GRACE_SECONDS + slack
     )
+    backfilled = {"holder": "ns/big", "deadlineAt": "1970-01-12T13:47:40Z"}  # now + 60
+    raised = informer.trim_job(
+        {
+            "spec": {"runPolicy": {"activeDeadlineSeconds": 9999}},  # raised after it backfilled
+            "status": {"startTime": "1970-01-12T13:46:40Z", "backfill": backfilled},
+        }
+    )
+    grace = reservation.DEFAULT_GRACE_SECONDS
+    assert reservation.pod_end({}, raised, now) == now + 60 + grace + slack  # the kept deadline
+    spec = _limited("j", 1, None)[1]  # its deadline removed since
+    assert reservation.job_end(spec, {"backfill": backfilled}, now) == now + 60 + 10 + slack
     assert reservation.clear_by([], now) == now
     assert reservation.clear_by([now + 5, now + 9], now) == now + 9
     assert reservation.clear_by([now + 5, None], now) is None

@@ -667,3 +667,26 @@ def test_the_pass_that_fails_a_job_at_its_deadline_is_due_at_the_deadline() -> N
     assert failure.pass_at_deadline(job(limited), "Pending", T0) is None  # not started
     unlimited = job(JobBuilder().layout(data=2, gpus_per_node=1).raw(), **placed_status())
     assert failure.pass_at_deadline(unlimited, "Running", T0) is None
+
+
+def test_a_backfilled_job_ends_at_the_deadline_it_backfilled_with_whatever_its_spec_says_later():
+    """``status.backfill.deadlineAt`` holds: a deadline raised (or removed) after the job took
+    nodes reserved for another is not the one that fails it; the pass is due then, and the job
+    fails saying why."""
+    kept = {
+        "holder": "ns/big",
+        "deadlineAt": conditions.timestamp(T0 + datetime.timedelta(seconds=60)),
+    }
+    for policy in ({"activeDeadlineSeconds": 3600}, {}):
+        raised = JobBuilder().layout(data=2, gpus_per_node=1).raw() | {"runPolicy": policy}
+        state = job(raised, **placed_status(phase="Running", backfill=kept))
+        assert (
+            failure.pass_at_deadline(state, "Running", T0 + datetime.timedelta(seconds=45)) == 15.0
+        )
+        decision = lifecycle.decide(state, running_gang(), at(61))
+        assert kinds(decision) == ["SetStatus", "Emit", "DeletePods"]
+        assert status_of(decision)["phase"] == "Failed"
+        (emit,) = [a for a in decision.actions if isinstance(a, job_actions.Emit)]
+        assert emit.reason == "DeadlineExceeded" and "status.backfill.deadlineAt" in emit.message
+        early = lifecycle.decide(state, running_gang(), at(59))
+        assert "Failed" not in str(status_of(early).get("phase"))

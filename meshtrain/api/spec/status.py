@@ -174,6 +174,17 @@ class Straggler(base.StatusModel):
     )
 
 
+class Backfill(base.StatusModel):
+    """The job was placed on nodes reserved for another job because its deadline ends it first."""
+
+    holder: str = Field(description="namespace/name of the job the nodes were reserved for.")
+    deadline_at: str = Field(
+        description="RFC 3339 time the job is failed at the latest: status.startTime plus "
+        "runPolicy.activeDeadlineSeconds when it was placed there. Raising or removing the "
+        "deadline later does not move it; a resume from suspend clears it."
+    )
+
+
 class ExcludedNode(base.StatusModel):
     """A node this job is not placed on again."""
 
@@ -378,6 +389,11 @@ class TrainingJobStatus(base.StatusModel):
         description="Key numbers of the planner: memory per GPU, step time, bubble.",
     )
     start_time: str | None = Field(None, description="When the pods first ran.")
+    backfill: Backfill | None = Field(
+        None,
+        description="Set when the job was placed on nodes reserved for a job that waited longer, "
+        "its deadline ending it before those nodes clear (backfill): the deadline then in force.",
+    )
     completion_time: str | None = Field(None, description="When the job succeeded or failed.")
     observed_generation: int | None = Field(
         None, description="Spec generation the status describes."

@@ -498,9 +498,12 @@ class Placer:
             said = reservation.described(reserved)
             await self.writer.emit(step[0], "Normal", conditions.NODES_RESERVED, said)
         if backfilled is not None:
+            said, record = backfilled
             metrics.BACKFILLS.labels(namespace=ref.namespace).inc()
-            logger.info("%s/%s backfilled: %s", ref.namespace, ref.name, backfilled)
-            await self.writer.emit(step[0], "Normal", conditions.BACKFILLED, backfilled)
+            logger.info("%s/%s backfilled: %s", ref.namespace, ref.name, said)
+            if record:  # before the pods: the deadline it backfilled with holds from now on
+                step = await self.writer.set_status(step[0], step[1], {"backfill": record})
+            await self.writer.emit(step[0], "Normal", conditions.BACKFILLED, said)
         if placed is None:
             return step
         return await self._create(step, *placed)

@@ -8,6 +8,7 @@ a replacement may take.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import time
@@ -20,6 +21,7 @@ from meshtrain.operator.policy import (
     capacity,
     conditions,
     devices,
+    failure,
     feasibility,
     job_state,
     placement_outcome,
@@ -147,9 +149,10 @@ def backfilled(
     queue: waiting.Queue,
     job: job_state.JobState,
     placed: tuple[placement_outcome.Placed, Any] | None,
-) -> str | None:
-    """The ``Backfilled`` Event's message when ``job``'s placement took reserved nodes (its
-    declared limit let it backfill); None when it took none."""
+) -> tuple[str, dict[str, str]] | None:
+    """When ``job``'s placement took reserved nodes (its declared limit let it backfill): the
+    ``Backfilled`` Event's message and ``status.backfill`` (the deadline then in force, which a
+    later edit of the spec does not move); None when it took none."""
     held = queue.holder()
     if placed is None or held is None or held.uid == job.ref.uid:
         return None
@@ -160,7 +163,13 @@ def backfilled(
     holder = "another job" if key is None else f"{key[0]}/{key[1]}"
     spec = job.declared or job.spec
     ends = None if spec is None else reservation.job_end(spec, job.status, time.time())
-    return reservation.backfilled(len(taken), holder, ends, queue.reserved_clear())
+    said = reservation.backfilled(len(taken), holder, ends, queue.reserved_clear())
+    now = clock.now()
+    left = None if spec is None else failure.deadline_left(spec, job.status, now)
+    if left is None:  # cannot be: it backfilled by its deadline
+        return said, {}
+    deadline_at = now + datetime.timedelta(seconds=left)
+    return said, {"holder": holder, "deadlineAt": conditions.timestamp(deadline_at)}
 
 
 def unplaced(

@@ -175,7 +175,8 @@ def test_a_job_whose_deadline_ends_it_before_the_reserved_nodes_clear_backfills_
     ``activeDeadlineSeconds`` is 600 holds one of them: by the declared limits the gang cannot
     start there for about 11 minutes.  A one-pod job without a deadline, or with one that would
     outlast that, waits for the reservation; one whose 20 s deadline ends it in time is placed on
-    a reserved node (a ``Backfilled`` Event) and is failed at its deadline, its node given back."""
+    a reserved node (a ``Backfilled`` Event) and is failed at its deadline, its node given back,
+    though its tenant raised the deadline once it was there."""
     log = str(tmp_path / "operator.log")
     with _operated(control_plane_binaries, log, 3) as (cluster, operator, namespace, pool):
         leaf_a = {cluster.add_node(pool, gpus=2, labels={LEAF: "a"}) for _ in range(4)}
@@ -199,7 +200,11 @@ def test_a_job_whose_deadline_ends_it_before_the_reserved_nodes_clear_backfills_
         assert _bound_nodes(cluster, namespace, "short") <= leaf_a
         (event,) = cluster.events(namespace, "short", "Backfilled")
         assert f"reserved for {namespace}/big, the job that has waited longest" in event.message
+        assert cluster.status(namespace, "short")["backfill"]["holder"] == f"{namespace}/big"
+        # its tenant raises the deadline once on the reserved node: the one it came with holds
+        cluster.patch_job(namespace, "short", {"runPolicy": {"activeDeadlineSeconds": 3600}})
         failed = cluster.wait_reason(namespace, "short", "Failed", "DeadlineExceeded", timeout=90)
+        assert "status.backfill.deadlineAt" in failed["message"]
         started = cluster.status(namespace, "short")["startTime"]
         ran = _seconds(failed["lastTransitionTime"]) - _seconds(started)
         assert 20 <= ran <= 20 + reservation.ENFORCE_SLACK_SECONDS, ran  # its bound held

@@ -218,7 +218,7 @@ def trim_job(job: kube.Body) -> kube.Body:
         },
         **({"spec": {"runPolicy": policy}} if policy else {}),
         "status": {
-            **_pick(status, ("phase", "restarts", "placement", "startTime")),
+            **_pick(status, ("phase", "restarts", "placement", "startTime", "backfill")),
             **({"conditions": [placed]} if placed else {}),
         },
     }

@@ -153,9 +153,23 @@ def deadline_left(
     (a backfilled job's end bound counts on it, ``reservation.end_bound``)."""
     started = conditions.parse_time(status.get("startTime"))
     deadline = spec.run_policy.active_deadline_seconds
-    if deadline is None or started is None:
+    ends = (
+        []
+        if deadline is None or started is None
+        else [started + datetime.timedelta(seconds=deadline)]
+    )
+    if (kept := _backfill_deadline(status)) is not None:
+        ends.append(kept)  # the deadline it backfilled with: a later edit does not move it
+    return (min(ends) - now).total_seconds() if ends else None
+
+
+def _backfill_deadline(status: Mapping[str, Any]) -> datetime.datetime | None:
+    """``status.backfill.deadlineAt`` (None: not backfilled, or unreadable)."""
+    try:
+        kept = conditions.parse_time((status.get("backfill") or {}).get("deadlineAt"))
+    except (TypeError, ValueError, AttributeError):
         return None
-    return (started + datetime.timedelta(seconds=deadline) - now).total_seconds()
+    return kept if kept is not None and kept.tzinfo is not None else None
 
 
 def pass_at_deadline(job: job_state.JobState, phase: str, now: datetime.datetime) -> float | None:
@@ -177,6 +191,14 @@ def _past_deadline(seen: situation.Situation) -> bool:
 def _deadline_exceeded(seen: situation.Situation) -> job_actions.Decision:
     deadline = seen.spec.run_policy.active_deadline_seconds
     message = f"job active for more than activeDeadlineSeconds={deadline}"
+    kept = _backfill_deadline(seen.job.status)
+    if kept is not None and kept <= seen.now:
+        holder = (seen.job.status.get("backfill") or {}).get("holder") or "another job"
+        message = (
+            f"job ran to {conditions.timestamp(kept)}, the deadline it had when it was placed on "
+            f"nodes reserved for {holder} (status.backfill.deadlineAt; a later change of "
+            "runPolicy.activeDeadlineSeconds does not move it)"
+        )
     return fail(seen, seen.current, conditions.DEADLINE_EXCEEDED, message)
 
 

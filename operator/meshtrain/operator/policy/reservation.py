@@ -146,12 +146,24 @@ def clearing_limits(ends: Mapping[str, float], slots: Mapping[str, int], pods: i
 def job_end(spec: api_spec.TrainingJobSpec, status: Mapping[str, Any], now: float) -> float | None:
     """:func:`end_bound` of a job by its spec and status (``now``: seconds since the epoch)."""
     policy = spec.run_policy
-    return end_bound(
+    ends = end_bound(
         policy.active_deadline_seconds,
         policy.termination_grace_period_seconds,
         _epoch(status.get("startTime")),
         now,
     )
+    return _kept(ends, status, policy.termination_grace_period_seconds)
+
+
+def _kept(ends: float | None, status: Mapping[str, Any], grace: int | None) -> float | None:
+    """``ends``, or sooner the deadline the job backfilled with (``status.backfill``), which a
+    later edit of its spec does not move."""
+    record = status.get("backfill")
+    kept = _epoch(record.get("deadlineAt")) if isinstance(record, dict) else None
+    if kept is None:
+        return ends
+    bound = kept + (grace or 0) + ENFORCE_SLACK_SECONDS
+    return bound if ends is None else min(ends, bound)
 
 
 def pod_end(
@@ -170,8 +182,9 @@ def pod_end(
     policy = (job.get("spec") or {}).get("runPolicy") or {}
     deadline = _count(policy.get("activeDeadlineSeconds"))
     grace = _count(policy.get("terminationGracePeriodSeconds"))
-    started = _epoch((job.get("status") or {}).get("startTime"))
-    return end_bound(deadline, DEFAULT_GRACE_SECONDS if grace is None else grace, started, now)
+    status = job.get("status") or {}
+    grace = DEFAULT_GRACE_SECONDS if grace is None else grace
+    return _kept(end_bound(deadline, grace, _epoch(status.get("startTime")), now), status, grace)
 
 
 def _count(value: Any) -> int | None:

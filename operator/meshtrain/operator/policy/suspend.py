@@ -49,7 +49,11 @@ def _resumed(seen: situation.Situation) -> job_actions.Decision:
     return job_actions.Decision(
         (
             job_actions.set_status(
-                seen.job, phase=job_state.Phase.PENDING.value, conditions=conds, startTime=None
+                seen.job,
+                phase=job_state.Phase.PENDING.value,
+                conditions=conds,
+                startTime=None,
+                backfill=None,  # a new run: a new deadline, backfilled or not
             ),
             job_actions.Emit("Normal", conditions.RESUMED, message),
         ),
