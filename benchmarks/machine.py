@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -50,8 +51,32 @@ def describe() -> dict[str, Any]:
     return info
 
 
-def write_results(name: str, results: Any) -> Path:
-    """Write ``results`` with the machine description to results/<name>-<host>.json (or under $MESHTRAIN_BENCH_RESULTS)."""
+def code() -> dict[str, Any] | None:
+    """The commit of the checkout the benchmark runs from and whether files differ from it
+    (None outside a git checkout): take it when a long run starts, as commits may land during it."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=30
+        )
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if commit.returncode != 0:
+        return None
+    return {"commit": commit.stdout.strip(), "dirty": bool(changed.stdout.strip())}
+
+
+def write_results(name: str, results: Any, ran: dict[str, Any] | None = None) -> Path:
+    """Write ``results`` with the machine description and the code that ran (``ran``, as
+    :func:`code` said when the run started; else as it says now) to results/<name>-<host>.json
+    (or under $MESHTRAIN_BENCH_RESULTS)."""
     directory = Path(os.environ.get(RESULTS_ENV) or RESULTS)
     directory.mkdir(parents=True, exist_ok=True)
     machine = describe()
@@ -62,6 +87,7 @@ def write_results(name: str, results: Any) -> Path:
                 "benchmark": name,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "machine": machine,
+                "code": ran if ran is not None else code(),
                 "results": results,
             },
             indent=2,

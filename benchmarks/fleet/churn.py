@@ -481,8 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         print(markdown(args.markdown))
         return 0
+    ran = machine.code()  # before the run: commits may land during its 30 minutes
     results = run(args)
-    path = machine.write_results(args.name, results)
+    path = machine.write_results(args.name, results, ran)
     _print(results)
     print(f"results: {path}")
     return 0
