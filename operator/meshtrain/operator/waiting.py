@@ -225,10 +225,6 @@ class Queue:
         judged again at their next pass (as after a capacity change)."""
         self._released += 1
 
-    def _holder_uid(self) -> str | None:
-        held = self.holder()
-        return None if held is None else held.uid
-
     def key_of(self, uid: str) -> Key | None:
         """(namespace, name) of the waiting job ``uid`` (None: not waiting)."""
         return next((key for key, found in self._uids.items() if found == uid), None)
