@@ -169,6 +169,43 @@ def _probes(seen: observe.Observer) -> dict[str, Any]:
     }
 
 
+def _holders(
+    held: observe.Holders, seen: observe.Observer, started_at: float, end: float
+) -> dict[str, Any]:
+    """Each job that held the reservation: when it was applied, first held and ran (seconds from
+    the run's first apply), the bounds its Events stated (the reserved nodes clear by these), and
+    its start against the last bound stated: ``start_minus_bound`` (negative: before it), or, not
+    started, whether that bound fell after the run ended (no verdict) or before (a broken bound)."""
+    to_run = time.time() - time.monotonic() + started_at  # epoch seconds -> seconds of the run
+
+    def rel(at: float | None) -> float | None:
+        return None if at is None else round(at - started_at, 2)
+
+    found: dict[str, Any] = {}
+    for name, hold in sorted(held.jobs.items(), key=lambda item: item[1].first_held):
+        record = seen.jobs.get(name)
+        bounds = [None if b is None else round(b - to_run, 2) for b in hold.bounds]
+        last = bounds[-1] if bounds else None
+        ran = None if record is None else rel(record.all_running)
+        found[name] = {
+            "gpus": None if record is None else record.gpus,
+            "applied": None if record is None else rel(record.applied),
+            "first_held": round(hold.first_held - to_run, 2),
+            "all_running": ran,
+            "bounds": {
+                "events": len(bounds),
+                "first": bounds[0] if bounds else None,
+                "last": last,
+                "unbounded": sum(b is None for b in bounds),
+            },
+            "start_minus_bound": None if ran is None or last is None else round(ran - last, 2),
+            "unstarted_bound_after_end": None
+            if ran is not None or last is None
+            else last > end - started_at,
+        }
+    return found
+
+
 def _summary(seen: observe.Observer, shape: kwok.Shape, end: float) -> dict[str, Any]:
     by_size: dict[str, Any] = {}
     for size in trace.SIZES:
@@ -216,6 +253,12 @@ def _summary(seen: observe.Observer, shape: kwok.Shape, end: float) -> dict[str,
             if seen.samples
             else 0.0
         ),
+        "allocation": {
+            "columns": ["seconds", "allocated_gpus", "waiting_jobs"],
+            "samples": [
+                [round(at - started_at, 1), gpus, waiting] for at, gpus, waiting in seen.samples
+            ],
+        },
         "watch_restarts": seen.watch_restarts,
     }
 
@@ -305,8 +348,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bench_operator_scale._wait_log(log, "cache of pods filled", 600)
         operator = _Process(process.pid)
         seen = observe.Observer(api, trace.NAMESPACE, shape.gpus)
-        seen.start()
-        stack.callback(seen.stop)
+        holders = observe.Holders(api, trace.NAMESPACE)
+        for watch in (seen, holders):
+            watch.start()
+            stack.callback(watch.stop)
         before = {**_operator_metrics(metrics_port), "apiserver": _apiserver_requests(plane)}
         stop = threading.Event()
         submitter = threading.Thread(target=_submit, args=(custom, jobs, seen, stop), daemon=True)
@@ -339,7 +384,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         results["operator"]["metrics_delta"] = delta
-        results.update(_summary(seen, shape, time.monotonic()))
+        finished = time.monotonic()
+        results.update(_summary(seen, shape, finished))
+        first_apply = min((r.applied for r in seen.jobs.values()), default=finished)
+        results["holders"] = _holders(holders, seen, first_apply, finished)
         placed = sum(1 for r in seen.jobs.values() if r.all_running is not None)
         results["placements_per_second"] = placed / wall
         results["plans_per_second"] = delta["plans"] / wall
@@ -411,6 +459,14 @@ def _print(results: dict[str, Any]) -> None:
         f"minutes above 80% allocated {results['minutes_above_80_percent']:.1f}, "
         f"plans per admissible wake-up {results['plans_per_admissible_wakeup']:.2f}, dropped {results['dropped']}"
     )
+    print("holders of the reservation (seconds from the first apply; bound: the last one stated):")
+    for name, row in results["holders"].items():
+        print(
+            f"  {name}: applied {row['applied']}, held {row['first_held']}, bound "
+            f"{row['bounds']['last']}, all running {row['all_running']}, start - bound "
+            f"{row['start_minus_bound']}, unstarted with the bound after the run "
+            f"{row['unstarted_bound_after_end']}"
+        )
     most, met = results["max_replans_per_admissible_wakeup"], results["replans_target_met"]
     print(
         "most plans of one waiting job per capacity change that could admit it: "

@@ -77,17 +77,9 @@ class Bindings(observe.WatchThread):
         return [found[i] for i in range(count)] if len(found) == count else None
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            stream = kubernetes.watch.Watch()
-            with contextlib.suppress(Exception):  # a dropped watch: list and watch again
-                for event in stream.stream(
-                    self._core.list_namespaced_pod, trace.NAMESPACE, timeout_seconds=60
-                ):
-                    self._seen(event["object"])
-                    if self._stop.is_set():
-                        stream.stop()
+        self._watch(self._core.list_namespaced_pod, trace.NAMESPACE)
 
-    def _seen(self, pod: Any) -> None:
+    def _event(self, type_: str, pod: Any) -> None:
         labels = pod.metadata.labels or {}
         job, node = labels.get(observe.JOB_LABEL), pod.spec.node_name
         if job not in self._pods or not node or labels.get(kwok.ATTEMPT_LABEL, "0") != "0":

@@ -1,13 +1,15 @@
 """What the churn benchmark sees of the fleet: one pod watch (never a poll, which would load the API
-server under test) turned into per-job start times, GPUs allocated over time, and capacity changes.
+server under test) turned into per-job start times, GPUs allocated over time, and capacity changes;
+one watch of the operator's ``NodesReserved`` Events turned into each holder's stated bound.
 
-:class:`Observer` follows the trace's namespace; :func:`percentiles` and :func:`allocated_minutes`
-summarise what it recorded.
+:class:`Observer` follows the trace's namespace, :class:`Holders` the reservation's holders;
+:func:`percentiles` and :func:`allocated_minutes` summarise what they recorded.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import statistics
 import threading
 import time
@@ -17,6 +19,7 @@ from typing import Any
 import kubernetes
 
 from benchmarks.fleet import kwok
+from meshtrain.operator.policy import conditions, reservation
 
 JOB_LABEL = "meshtrain.io/job"
 FINISHED = ("Succeeded", "Failed")
@@ -60,12 +63,14 @@ class CapacityChange:
 
 
 class WatchThread:
-    """A daemon thread running ``_run`` until :meth:`stop`; subclasses watch pods in it."""
+    """A daemon thread running ``_run`` until :meth:`stop`; subclasses watch objects in it."""
 
     def __init__(self, api: kubernetes.client.ApiClient) -> None:
         self._core = kubernetes.client.CoreV1Api(api)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self.watch_restarts = 0
+        """Watches started again after a dropped connection or an expired version."""
 
     def _run(self) -> None:
         raise NotImplementedError
@@ -76,6 +81,88 @@ class WatchThread:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
+
+    def _watch(self, lister: Any, *args: Any, **kwargs: Any) -> None:
+        """Feed every event of ``lister``'s watch to :meth:`_event` until stopped, watching again
+        after a dropped connection (from the start after a 410: handlers are idempotent)."""
+        version = None
+        while not self._stop.is_set():
+            stream = kubernetes.watch.Watch()
+            try:
+                for event in stream.stream(
+                    lister,
+                    *args,
+                    resource_version=version,
+                    timeout_seconds=60,
+                    allow_watch_bookmarks=True,
+                    **kwargs,
+                ):
+                    found = event["object"]
+                    version = found.metadata.resource_version
+                    if event["type"] != "BOOKMARK":
+                        self._event(event["type"], found)
+                    if self._stop.is_set():
+                        stream.stop()
+            except kubernetes.client.ApiException as err:
+                if err.status == 410:
+                    version = None
+                self.watch_restarts += 1
+            except Exception:  # noqa: BLE001 - a dropped connection: watch again
+                self.watch_restarts += 1
+                time.sleep(0.5)
+
+    def _event(self, type_: str, found: Any) -> None:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass
+class HoldRecord:
+    """What one job's ``NodesReserved`` Events said: when it first held, and the bounds stated."""
+
+    first_held: float
+    """Epoch seconds of its first such Event."""
+    bounds: list[float | None] = dataclasses.field(default_factory=list)
+    """Each Event's bound on its wait (epoch seconds; None: no bound), oldest first."""
+    seen: set[str] = dataclasses.field(default_factory=set)
+    """Names of the Events counted (a relist shows them again)."""
+
+
+def stated_bound(message: str) -> float | None:
+    """The epoch seconds a holder's Event says its reserved nodes clear by (None: no bound)."""
+    marker = f"{reservation.CLEAR_BY} "
+    if marker not in message:
+        return None
+    stamp = message.split(marker, 1)[1].split(" ", 1)[0]
+    found = conditions.parse_time(stamp)
+    return None if found is None else found.timestamp()
+
+
+class Holders(WatchThread):
+    """A watch of the operator's ``NodesReserved`` Events of one namespace: per job that held the
+    reservation, when it first did and each bound its Event stated (``reservation.described``)."""
+
+    def __init__(self, api: kubernetes.client.ApiClient, namespace: str) -> None:
+        super().__init__(api)
+        self._namespace = namespace
+        self.jobs: dict[str, HoldRecord] = {}
+        self._lock = threading.Lock()
+
+    def _run(self) -> None:
+        selector = f"reason={conditions.NODES_RESERVED}"
+        self._watch(self._core.list_namespaced_event, self._namespace, field_selector=selector)
+
+    def _event(self, type_: str, found: Any) -> None:
+        if type_ == "DELETED" or "kept for this job" not in (found.message or ""):
+            return
+        when = found.first_timestamp or found.metadata.creation_timestamp
+        at = when.timestamp() if isinstance(when, datetime.datetime) else time.time()
+        with self._lock:
+            record = self.jobs.setdefault(found.involved_object.name, HoldRecord(at))
+            if found.metadata.name in record.seen:
+                return
+            record.seen.add(found.metadata.name)
+            record.first_held = min(record.first_held, at)
+            record.bounds.append(stated_bound(found.message))
 
 
 class Observer(WatchThread):
@@ -91,7 +178,6 @@ class Observer(WatchThread):
         self.changes: list[CapacityChange] = []
         self.samples: list[tuple[float, int, int]] = []
         """(monotonic time, allocated GPUs, waiting jobs) every sample."""
-        self.watch_restarts = 0
         self._lock = threading.Lock()
 
     def applied(self, name: str, gpus: int) -> None:
@@ -125,32 +211,9 @@ class Observer(WatchThread):
             self._pending_change = None
 
     def _run(self) -> None:
-        version = None
-        while not self._stop.is_set():
-            stream = kubernetes.watch.Watch()
-            try:
-                for event in stream.stream(
-                    self._core.list_namespaced_pod,
-                    self._namespace,
-                    resource_version=version,
-                    timeout_seconds=60,
-                    allow_watch_bookmarks=True,
-                ):
-                    pod = event["object"]
-                    version = pod.metadata.resource_version
-                    if event["type"] != "BOOKMARK":
-                        self._seen(event["type"], pod)
-                    if self._stop.is_set():
-                        stream.stop()
-            except kubernetes.client.ApiException as err:
-                if err.status == 410:
-                    version = None  # a relist re-reads every pod; _seen is idempotent
-                self.watch_restarts += 1
-            except Exception:  # noqa: BLE001 - a dropped connection: watch again
-                self.watch_restarts += 1
-                time.sleep(0.5)
+        self._watch(self._core.list_namespaced_pod, self._namespace)
 
-    def _seen(self, type_: str, pod: Any) -> None:
+    def _event(self, type_: str, pod: Any) -> None:
         name, now = pod.metadata.name, time.monotonic()
         job = (pod.metadata.labels or {}).get(JOB_LABEL)
         phase = pod.status.phase if pod.status else None

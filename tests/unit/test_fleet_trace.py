@@ -10,8 +10,9 @@ import statistics
 
 import pytest
 
-from benchmarks.fleet import kwok, trace
+from benchmarks.fleet import kwok, observe, trace
 from meshtrain.api import spec as api_spec
+from meshtrain.operator.policy import reservation
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SHAPE = kwok.Shape(nodes=1024)
@@ -148,3 +149,12 @@ def test_time_limits_leave_the_jobs_alone_and_bound_each_run_loosely() -> None:
     factors = [j.limit_seconds / (j.run_seconds + (j.fail_after or 0.0)) for j in limited]
     assert statistics.median(factors) > 2.0  # loose bounds, as users' are
     assert all(j.limit_seconds is None for j in plain)
+
+
+def test_the_churn_benchmark_reads_the_bound_the_holders_event_states() -> None:
+    """The bound is read from the operator's own event text (``reservation.described``): a change
+    of its wording that the benchmark no longer reads fails here, not silently in a 30-minute run."""
+    kept = reservation.Reservation("uid", frozenset({"n1", "n2"}), (0, 0), 0.0)
+    clear = 1_800_000_000.0
+    assert observe.stated_bound(reservation.described(kept, clear + 0.7)) == clear
+    assert observe.stated_bound(reservation.described(kept, None)) is None

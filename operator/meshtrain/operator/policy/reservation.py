@@ -295,14 +295,25 @@ SHOWN_NODES = 20
 """Nodes named in the holder's event at most (the rest are counted)."""
 
 
-def described(kept: Reservation) -> str:
-    """The holder's event: which nodes are kept for it."""
+def described(kept: Reservation, clear: float | None) -> str:
+    """The holder's event: which nodes are kept for it, and by when they are clear of the jobs on
+    them by those jobs' declared limits (``clear``, epoch seconds; None: a job there declares no
+    limit, so no bound can be said).  The time is :data:`CLEAR_BY`'s stamp, which benchmarks read."""
     if not kept.nodes:
         return "no node set fits it even with meshtrain's pods gone: it holds no reservation"
     names = sorted(kept.nodes)
     shown = ", ".join(names[:SHOWN_NODES])
     more = f" and {len(names) - SHOWN_NODES} more" if len(names) > SHOWN_NODES else ""
+    bound = (
+        f"{CLEAR_BY} {_stamp(clear)} by the declared limits of the jobs on them"
+        if clear is not None
+        else "no bound on its wait: a job on them declares no runPolicy.activeDeadlineSeconds"
+    )
     return (
         f"{len(names)} node(s) kept for this job, the longest waiting at the highest priority; "
-        f"other jobs place beside them: {shown}{more}"
+        f"{bound}; other jobs place beside them: {shown}{more}"
     )
+
+
+CLEAR_BY = "they clear by"
+"""The words before the bound's RFC 3339 time in the holder's event (:func:`described`)."""
