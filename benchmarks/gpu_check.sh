@@ -97,7 +97,7 @@ missing_modules() {  # what the trainer and the tests import besides torch (requ
   python3 - <<'PY'
 import importlib.util, sys
 needed = ["pydantic", "cryptography", "yaml", "prometheus_client", "safetensors", "tokenizers",
-          "s3fs", "pytest", "pytest_timeout"]
+          "s3fs", "pytest", "pytest_timeout", "pynvml"]
 missing = [m for m in needed if importlib.util.find_spec(m) is None]
 if missing:
     sys.exit(f"missing modules {missing}: put their wheels, at requirements.lock's versions, in .whl/")

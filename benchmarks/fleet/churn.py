@@ -172,38 +172,35 @@ def _probes(seen: observe.Observer) -> dict[str, Any]:
 def _holders(
     held: observe.Holders, seen: observe.Observer, started_at: float, end: float
 ) -> dict[str, Any]:
-    """Each job that held the reservation: when it was applied, first held and ran (seconds from
-    the run's first apply), the bounds its Events stated (the reserved nodes clear by these), and
-    its start against the last bound stated: ``start_minus_bound`` (negative: before it), or, not
-    started, whether that bound fell after the run ended (no verdict) or before (a broken bound)."""
-    to_run = time.time() - time.monotonic() + started_at  # epoch seconds -> seconds of the run
-
-    def rel(at: float | None) -> float | None:
-        return None if at is None else round(at - started_at, 2)
-
-    found: dict[str, Any] = {}
-    for name, hold in sorted(held.jobs.items(), key=lambda item: item[1].first_held):
-        record = seen.jobs.get(name)
-        bounds = [None if b is None else round(b - to_run, 2) for b in hold.bounds]
-        last = bounds[-1] if bounds else None
-        ran = None if record is None else rel(record.all_running)
-        found[name] = {
-            "gpus": None if record is None else record.gpus,
-            "applied": None if record is None else rel(record.applied),
-            "first_held": round(hold.first_held - to_run, 2),
-            "all_running": ran,
-            "bounds": {
-                "events": len(bounds),
-                "first": bounds[0] if bounds else None,
-                "last": last,
-                "unbounded": sum(b is None for b in bounds),
-            },
-            "start_minus_bound": None if ran is None or last is None else round(ran - last, 2),
-            "unstarted_bound_after_end": None
-            if ran is not None or last is None
-            else last > end - started_at,
+    """Each job that held the reservation: its GPUs, when it was applied, and its periods of
+    holding with the time its nodes were said to clear by against its start
+    (:func:`observe.holds`), all in seconds from the run's first apply; and their verdicts
+    counted."""
+    to_epoch = time.time() - time.monotonic()
+    ran = {
+        name: None if r.all_running is None else r.all_running + to_epoch
+        for name, r in seen.jobs.items()
+    }
+    periods = observe.holds(held.stated(), ran, started_at + to_epoch, end + to_epoch)
+    jobs = {
+        name: {
+            "gpus": seen.jobs[name].gpus if name in seen.jobs else None,
+            "applied": round(seen.jobs[name].applied - started_at, 2)
+            if name in seen.jobs
+            else None,
+            "periods": rows,
         }
-    return found
+        for name, rows in periods.items()
+    }
+    verdicts = [row["verdict"] for rows in periods.values() for row in rows]
+    late = [row["late"] for rows in periods.values() for row in rows if "late" in row]
+    return {
+        "start_allowance_seconds": observe.START_ALLOWANCE_SECONDS,
+        "verdicts": {v: verdicts.count(v) for v in sorted(set(verdicts))},
+        "most_late_seconds": max(late, default=None),
+        "later_times_said": sum(row["later"] for rows in periods.values() for row in rows),
+        "jobs": jobs,
+    }
 
 
 def _summary(seen: observe.Observer, shape: kwok.Shape, end: float) -> dict[str, Any]:
@@ -459,14 +456,19 @@ def _print(results: dict[str, Any]) -> None:
         f"minutes above 80% allocated {results['minutes_above_80_percent']:.1f}, "
         f"plans per admissible wake-up {results['plans_per_admissible_wakeup']:.2f}, dropped {results['dropped']}"
     )
-    print("holders of the reservation (seconds from the first apply; bound: the last one stated):")
-    for name, row in results["holders"].items():
-        print(
-            f"  {name}: applied {row['applied']}, held {row['first_held']}, bound "
-            f"{row['bounds']['last']}, all running {row['all_running']}, start - bound "
-            f"{row['start_minus_bound']}, unstarted with the bound after the run "
-            f"{row['unstarted_bound_after_end']}"
-        )
+    holders = results["holders"]
+    print(
+        f"holders of the reservation: {holders['verdicts']} (allowing "
+        f"{holders['start_allowance_seconds']:.0f} s from clear to running), most late "
+        f"{holders['most_late_seconds']} s, later times said {holders['later_times_said']}"
+    )
+    for name, job in holders["jobs"].items():
+        for row in job["periods"]:
+            print(
+                f"  {name} ({job['gpus']} GPUs, applied {job['applied']}): held {row['from']}-"
+                f"{row['until']}, clear by {row['earliest']}, all running {row['all_running']}: "
+                f"{row['verdict']}"
+            )
     most, met = results["max_replans_per_admissible_wakeup"], results["replans_target_met"]
     print(
         "most plans of one waiting job per capacity change that could admit it: "

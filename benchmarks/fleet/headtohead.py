@@ -429,8 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.table is not None:
         print(markdown(json.loads(args.table.read_text())["results"]))
         return 0
+    ran = machine.code()  # before the run: commits may land during it
     results = run(args)
-    path = machine.write_results(args.name, results)
+    path = machine.write_results(args.name, results, ran)
     _print(results)
     print(f"results: {path}")
     return 0

@@ -13,7 +13,7 @@ import datetime
 import statistics
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import kubernetes
@@ -97,10 +97,12 @@ class WatchThread:
                     allow_watch_bookmarks=True,
                     **kwargs,
                 ):
-                    found = event["object"]
-                    version = found.metadata.resource_version
-                    if event["type"] != "BOOKMARK":
-                        self._event(event["type"], found)
+                    if event["type"] == "BOOKMARK":  # not made a model object: read it raw
+                        raw = event.get("raw_object") or {}
+                        version = (raw.get("metadata") or {}).get("resourceVersion") or version
+                    else:
+                        version = event["object"].metadata.resource_version
+                        self._event(event["type"], event["object"])
                     if self._stop.is_set():
                         stream.stop()
             except kubernetes.client.ApiException as err:
@@ -115,20 +117,20 @@ class WatchThread:
         raise NotImplementedError
 
 
-@dataclasses.dataclass
-class HoldRecord:
-    """What one job's ``NodesReserved`` Events said: when it first held, and the bounds stated."""
+@dataclasses.dataclass(frozen=True)
+class Stated:
+    """One ``NodesReserved`` Event: the holder it was written for, and the time it said."""
 
-    first_held: float
-    """Epoch seconds of its first such Event."""
-    bounds: list[float | None] = dataclasses.field(default_factory=list)
-    """Each Event's bound on its wait (epoch seconds; None: no bound), oldest first."""
-    seen: set[str] = dataclasses.field(default_factory=set)
-    """Names of the Events counted (a relist shows them again)."""
+    at: float
+    """Epoch seconds it was first written (``firstTimestamp``: whole seconds)."""
+    job: str
+    """The holder's name."""
+    clear: float | None
+    """Epoch seconds its nodes clear by, as it said (None: no time said)."""
 
 
 def stated_bound(message: str) -> float | None:
-    """The epoch seconds a holder's Event says its reserved nodes clear by (None: no bound)."""
+    """The epoch seconds a holder's Event says its reserved nodes clear by (None: none said)."""
     marker = f"{reservation.CLEAR_BY} "
     if marker not in message:
         return None
@@ -138,14 +140,20 @@ def stated_bound(message: str) -> float | None:
 
 
 class Holders(WatchThread):
-    """A watch of the operator's ``NodesReserved`` Events of one namespace: per job that held the
-    reservation, when it first did and each bound its Event stated (``reservation.described``)."""
+    """A watch of the operator's ``NodesReserved`` Events of one namespace: each holder's Events in
+    the order written (``reservation.described``), once each however often a relist shows them."""
 
     def __init__(self, api: kubernetes.client.ApiClient, namespace: str) -> None:
         super().__init__(api)
         self._namespace = namespace
-        self.jobs: dict[str, HoldRecord] = {}
+        self._seen: set[str] = set()
+        self._stated: list[Stated] = []
         self._lock = threading.Lock()
+
+    def stated(self) -> list[Stated]:
+        """Every Event seen, oldest first (ties in the order they were seen)."""
+        with self._lock:
+            return sorted(self._stated, key=lambda s: s.at)  # stable: ties keep their order
 
     def _run(self) -> None:
         selector = f"reason={conditions.NODES_RESERVED}"
@@ -157,12 +165,60 @@ class Holders(WatchThread):
         when = found.first_timestamp or found.metadata.creation_timestamp
         at = when.timestamp() if isinstance(when, datetime.datetime) else time.time()
         with self._lock:
-            record = self.jobs.setdefault(found.involved_object.name, HoldRecord(at))
-            if found.metadata.name in record.seen:
+            if found.metadata.name in self._seen:
                 return
-            record.seen.add(found.metadata.name)
-            record.first_held = min(record.first_held, at)
-            record.bounds.append(stated_bound(found.message))
+            self._seen.add(found.metadata.name)
+            self._stated.append(Stated(at, found.involved_object.name, stated_bound(found.message)))
+
+
+START_ALLOWANCE_SECONDS = 60.0
+"""From the time a holder's nodes clear to all its pods running, what :func:`holds` allows: a
+wake-up, the operator's spacing of a slow plan (20 times its last plan's seconds), its plan,
+the creation of up to 512 pods and their binding by the scheduler and KWOK."""
+
+
+def holds(
+    stated: Sequence[Stated], ran: Mapping[str, float | None], origin: float, end: float
+) -> dict[str, Any]:
+    """Each holder's periods of holding (from its first Event to another holder's next, or
+    ``end``) and whether the time its Events said its nodes clear by held: ``kept`` when all its
+    pods ran (``ran``, epoch seconds; None: never) by the earliest time said in the period plus
+    :data:`START_ALLOWANCE_SECONDS`; ``passed on`` when the period ended before that came due;
+    ``broken`` otherwise; ``no time`` when no Event said one.  Times out are seconds after
+    ``origin``; ``later`` counts Events that said a later time than the one before."""
+    periods: list[tuple[str, float, list[Stated]]] = []
+    for said in stated:
+        if not periods or periods[-1][0] != said.job:
+            periods.append((said.job, said.at, []))
+        periods[-1][2].append(said)
+    found: dict[str, Any] = {}
+    for index, (job, began, said) in enumerate(periods):
+        until = periods[index + 1][1] if index + 1 < len(periods) else end
+        times = [s.clear for s in said if s.clear is not None]
+        started = ran.get(job)
+        row: dict[str, Any] = {
+            "from": round(began - origin, 2),
+            "until": round(until - origin, 2),
+            "events": len(said),
+            "first": None if not times else round(times[0] - origin, 2),
+            "earliest": None if not times else round(min(times) - origin, 2),
+            "later": sum(b > a for a, b in zip(times, times[1:], strict=False)),
+            "all_running": None if started is None else round(started - origin, 2),
+        }
+        if not times:
+            row["verdict"] = "no time"
+        else:
+            due = min(times) + START_ALLOWANCE_SECONDS
+            if started is not None and started <= due:
+                row["verdict"] = "kept"
+            elif until <= due:
+                row["verdict"] = "passed on"
+            else:
+                row["verdict"] = "broken"
+            ended = until if started is None else started
+            row["late"] = round(max(0.0, ended - min(times)), 2)
+        found.setdefault(job, []).append(row)
+    return found
 
 
 class Observer(WatchThread):

@@ -21,6 +21,7 @@ PROBES: dict[str, tuple[str, ...]] = {
         "torch",
         "torchao",
         "prometheus_client",
+        "pynvml",
         "safetensors",
         "tokenizers",
         "fsspec",

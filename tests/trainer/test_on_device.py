@@ -24,6 +24,7 @@ GPU run that can disagree.
 
 from __future__ import annotations
 
+import ctypes.util
 import os
 import subprocess
 import sys
@@ -42,6 +43,7 @@ from meshtrain.trainer import engine
 from meshtrain.trainer.models import documents, gpt, llama
 from meshtrain.trainer.parallel import compilation, loss, state_bytes
 from meshtrain.trainer.parallel import mesh as mesh_mod
+from meshtrain.trainer.recovery import gpu_probe
 from meshtrain.trainer.telemetry import live_bytes
 from tests.builders import JobBuilder
 
@@ -271,3 +273,13 @@ def test_a_rank_aborts_its_groups_and_rejoins_new_rounds_on_the_device(device_ki
         want = f"generation {generation} {backend} {[float(generation + 1)] * 4}"
         assert want in lines, result.stdout
     assert "left []" in lines, result.stdout  # no abort outlasted its deadline
+
+
+def test_the_gpu_probe_asks_the_real_driver_and_finds_its_gpu_there(device_kind):
+    """``gpu_probe.lost_gpus`` through the device's own NVML: on a lent GPU the driver answers for
+    every GPU and calls none lost (a false alarm would send healthy pods away); on the CPU there
+    is no driver library and no verdict (a GPU host run on its CPU has one: it answers).  (A lost GPU is shown against ``fake_nvml.c``,
+    tests/trainer/test_gpu_probe.py: no lent machine has one.)"""
+    found = gpu_probe.probe()
+    driver = device_kind == "cuda" or ctypes.util.find_library("nvidia-ml") is not None
+    assert found == ([] if driver else None), found

@@ -389,6 +389,40 @@ def test_a_gpu_gone_from_the_bus_sends_its_pod_away_at_the_first_failure(tmp_pat
 
 
 @pytest.mark.slow
+def test_a_rank_killed_without_a_word_leaves_with_its_pod_when_nvml_calls_its_gpu_lost(
+    tmp_path: Path, fake_nvml: str
+) -> None:
+    """Rank 1 is SIGKILLed before step 2 (no error text: what a GPU gone mid-kernel often leaves).
+    Pod 1's driver library calls its GPU lost: its supervisor asks NVML, and the pod leaves with 79
+    naming the GPU as NVML does, while pod 0 waits in place for the replacement; the job ends."""
+    spec = _spec(tmp_path, 4, ranks=2)
+    port = launch.free_port()
+    termination = tmp_path / "termination-log"
+    driver = {"MESHTRAIN_DEVICE": "auto", "LD_LIBRARY_PATH": fake_nvml}  # "auto": the CPU here
+    common = (spec, tmp_path, 2, 1, NO_SPARES)
+    [pod0] = _supervisors(*common, port=port, only=0, **driver, **{faults.ENV: "1:2:kill"})
+    [pod1] = _supervisors(
+        *common,
+        port=port,
+        only=1,
+        MESHTRAIN_TERMINATION_LOG=str(termination),
+        FAKE_NVML_LOST="0",
+        **driver,
+        **{faults.ENV: "1:2:kill"},
+    )
+    assert _wait([pod1], tmp_path, timeout=240) == [exitcodes.DEVICE_SUSPECT], _logs(tmp_path)
+    assert "failed (SIGKILL)" in (tmp_path / "sup-1.log").read_text()
+    report = exitcodes.read_failure_report(termination.read_text())
+    assert report is not None and report[0] == exitcodes.DEVICE_SUSPECT, report
+    assert "NVML says a GPU of this pod (NVML device 0) is gone" in report[1], report
+    assert pod0.poll() is None, _logs(tmp_path)  # waiting in place
+    [pod1] = _supervisors(*common, port=port, only=1, **driver)  # a healthy GPU
+    assert _wait([pod0, pod1], tmp_path) == [0, 0], _logs(tmp_path)
+    records = recoveries.read(tmp_path / "logs" / recoveries.FILENAME)
+    assert any("GPU lost" in r["cause"] and 1 in r["ranks"] for r in records), records
+
+
+@pytest.mark.slow
 def test_a_gpu_gone_without_in_place_recovery_still_sends_its_pod_away(tmp_path: Path) -> None:
     """``inPlace: false``: the lost GPU needs no count, so the pod still leaves with 79 (its
     node excluded), halting the gang, rather than 75, a rebuild that may land on the node again."""

@@ -154,7 +154,35 @@ def test_time_limits_leave_the_jobs_alone_and_bound_each_run_loosely() -> None:
 def test_the_churn_benchmark_reads_the_bound_the_holders_event_states() -> None:
     """The bound is read from the operator's own event text (``reservation.described``): a change
     of its wording that the benchmark no longer reads fails here, not silently in a 30-minute run."""
-    kept = reservation.Reservation("uid", frozenset({"n1", "n2"}), (0, 0), 0.0)
     clear = 1_800_000_000.0
-    assert observe.stated_bound(reservation.described(kept, clear + 0.7)) == clear
-    assert observe.stated_bound(reservation.described(kept, None)) is None
+    kept = reservation.Reservation("uid", frozenset({"n1", "n2"}), (0, 0), 0.0, clear=clear + 0.2)
+    assert observe.stated_bound(reservation.described(kept)) == clear + 1  # never said early
+    unknown = dataclasses.replace(kept, clear=None)
+    assert observe.stated_bound(reservation.described(unknown)) is None
+
+
+def test_each_holding_period_is_judged_by_the_earliest_time_its_events_said() -> None:
+    """Three holders' Events in order, times in seconds: a holds, b takes over, a holds again.
+    Each period is judged alone, by the earliest time said in it: a started within the allowance
+    of its second period's time; b's time passed while it still held and it never ran; c's time
+    was after its hold passed on.  A later time said is counted."""
+    allowance = observe.START_ALLOWANCE_SECONDS
+    stated = [
+        observe.Stated(10, "a", 500),
+        observe.Stated(40, "a", 700),  # later than before
+        observe.Stated(100, "b", 200),
+        observe.Stated(400, "a", 600),
+        observe.Stated(700, "c", None),
+        observe.Stated(710, "c", 2000),
+        observe.Stated(900, "d", 950),
+    ]
+    ran = {"a": 600 + allowance, "b": None, "c": None, "d": None}
+    found = observe.holds(stated, ran, origin=0, end=1000)
+    first, again = found["a"]
+    assert (first["from"], first["until"], first["earliest"], first["later"]) == (10, 100, 500, 1)
+    assert first["verdict"] == "passed on"  # it held until 100, its time was 500
+    assert (again["verdict"], again["late"]) == ("kept", allowance)
+    assert (found["b"][0]["verdict"], found["b"][0]["late"]) == ("broken", 400 - 200)
+    assert found["c"][0]["verdict"] == "passed on" and found["c"][0]["earliest"] == 2000
+    assert found["d"][0]["verdict"] == "passed on"  # the run ended before 950 + the allowance
+    assert observe.holds([observe.Stated(0, "e", None)], {}, 0, 10)["e"][0]["verdict"] == "no time"

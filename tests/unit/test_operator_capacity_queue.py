@@ -1065,3 +1065,6 @@ def test_the_holder_is_tried_first_on_the_nodes_that_clear_soonest() -> None:
     two = {name: 2 for name in slots if name != "full"}  # two pods a node: half the nodes
     assert reservation.clearing_limits(ends, two, 4) == [101.0, 102.0, 103.0, math.inf]
     assert reservation.clearing_limits({"x": math.inf}, {"x": 1}, 1) == [math.inf]
+    # the set planned before clears at 106: tried too, so a plan again keeps a set no later
+    assert reservation.clearing_limits(ends, slots, 4, 106.0) == [103, 104, 105, 106, 107, math.inf]
+    assert reservation.clearing_limits(ends, slots, 4, math.inf) == [103, 104, 105, 107, math.inf]

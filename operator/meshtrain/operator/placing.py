@@ -495,7 +495,7 @@ class Placer:
                 reserved = await reserving.refresh(self.waiting, self.fit, step[1], demand)
             backfilled = reserving.backfilled(self.waiting, step[1], placed)
         if reserved is not None:
-            said = reservation.described(reserved, self.waiting.reserved_clear())
+            said = reservation.described(reserved)
             await self.writer.emit(step[0], "Normal", conditions.NODES_RESERVED, said)
         if backfilled is not None:
             said, record = backfilled

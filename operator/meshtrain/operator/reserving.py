@@ -8,6 +8,7 @@ a replacement may take.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import math
@@ -75,7 +76,12 @@ async def _plan(
     )
     slots = {n.name: n.allocatable_gpus // per_pod for n in offered}
     ends = queue.node_ends([name for name, room in slots.items() if room])
-    limits = reservation.clearing_limits(ends, slots, queue.entries[ref.uid].need.pods)
+    before = queue.reservation
+    kept_clear = None  # the set planned before for this holder: when it clears, counted now
+    if before is not None and before.holder == ref.uid and before.nodes:
+        kept_clear = max((ends.get(n, math.inf) for n in before.nodes), default=None)
+    pods = queue.entries[ref.uid].need.pods
+    limits = reservation.clearing_limits(ends, slots, pods, kept_clear)
     sized, cut = None, False
     for limit in limits:
         last = limit == math.inf
@@ -99,7 +105,7 @@ async def _plan(
     answer = None if sized is None else sized.answer
     kept = frozenset(answer.nodes) if isinstance(answer, placement.Placement) else frozenset()
     planned = reservation.Reservation(ref.uid, kept, queue.basis(), time.monotonic())
-    before, queue.reservation = queue.reservation, planned
+    queue.reservation = planned
     if before is not None and before.nodes - kept:  # nodes other waiting jobs may take again
         queue.released()
     if sized is not None and not kept:
@@ -109,9 +115,10 @@ async def _plan(
             *(ref.namespace, ref.name),
         )
         return planned
+    planned = queue.reservation = dataclasses.replace(planned, clear=queue.reserved_clear())
     logger.info(
         "%s/%s holds the reservation: %d node(s) kept for it; %s",
-        *(ref.namespace, ref.name, len(kept), _backfill_note(queue.reserved_clear())),
+        *(ref.namespace, ref.name, len(kept), _backfill_note(planned.clear)),
     )
     return planned
 

@@ -42,6 +42,7 @@ from meshtrain.trainer import launch
 from meshtrain.trainer.recovery import (
     device_fault,
     generations,
+    gpu_probe,
     liveness,
     rendezvous,
     spares,
@@ -323,6 +324,7 @@ class Supervisor:
 
     def check_workers(self) -> int | None:
         """React to the workers that exited; the pod's exit code once it is known."""
+        probed: list[list[str] | str | None] = []  # NVML is asked once per pass at most
         for local_rank, child in sorted(self.workers.items()):
             code = child.proc.poll()
             if code is None or local_rank in self.finished:
@@ -343,10 +345,18 @@ class Supervisor:
             _say(self.pod, f"rank {rank} pid {child.pid} failed ({cause(code)})")
             if code == exitcodes.DEVICE_LOST:  # gone for good: no count, in place or not
                 return self.leave_bad_device(rank, local_rank, lost=True)
+            if not probed:
+                probed.append(self.probe_gpus(code))
+            found = probed[0]
+            if isinstance(found, list) and found:  # its error did not say; the driver does
+                return self.leave_bad_device(rank, local_rank, lost=True, gpu="; ".join(found))
+            hung = found == gpu_probe.HUNG  # a driver that does not answer: a device error
+            if (code == exitcodes.DEVICE_ERROR or hung) and self.devices.failed(
+                local_rank, time.monotonic()
+            ):
+                return self.leave_bad_device(rank, local_rank, lost=False, hung=hung)
             if not self.config.in_place:
                 return self.give_up(f"rank {rank} failed ({cause(code)}); in-place recovery is off")
-            if code == exitcodes.DEVICE_ERROR and self.devices.failed(local_rank, time.monotonic()):
-                return self.leave_bad_device(rank, local_rank, lost=False)
             failure = rendezvous.Failure("process", cause(code), (rank,), time.time())
             rendezvous.ranks_failed(self.store, (rank,), failure, self.config.in_place_limit)
             if rendezvous.halted(self.store) is None:
@@ -371,17 +381,33 @@ class Supervisor:
                 return
             os.waitpid(found.si_pid, 0)
 
-    def leave_bad_device(self, rank: int, local_rank: int, lost: bool) -> int:
+    def probe_gpus(self, code: int) -> list[str] | str | None:
+        """What NVML says of this pod's GPUs after a worker exited with ``code`` without a device
+        error's words (:mod:`.recovery.gpu_probe`; None: not asked, for a job run on the CPU or
+        after an error that named the device, or no verdict)."""
+        if code == exitcodes.DEVICE_ERROR or os.environ.get("MESHTRAIN_DEVICE") == "cpu":
+            return None
+        return gpu_probe.probe()
+
+    def leave_bad_device(
+        self, rank: int, local_rank: int, lost: bool, gpu: str | None = None, hung: bool = False
+    ) -> int:
         """Stop this pod's ranks and leave with :data:`exitcodes.DEVICE_SUSPECT`, for the operator
-        to place the pod elsewhere.  The ranks are stopped first (none joins a round the pod
-        leaves), then the gang told: its ranks are failed, and the round waits for the pod's
-        replacement; a pod hosting the store, or one whose gang does not recover in place, halts
-        the gang instead and does not linger (the operator rebuilds the gang without the node)."""
+        to place the pod elsewhere (``gpu``: the GPUs NVML calls lost, when rank ``rank``'s own
+        error did not say; ``hung``: the second strike was NVML not answering).  The ranks are
+        stopped first (none joins a round the pod leaves), then the gang told: its ranks are
+        failed, and the round waits for the pod's replacement; a pod hosting the store, or one
+        whose gang does not recover in place, halts the gang instead and does not linger (the
+        operator rebuilds the gang without the node)."""
         what = "is gone" if lost else f"failed twice within {device_fault.SUSPECT_WINDOW_S:.0f} s"
-        why = (
-            f"rank {rank}'s GPU ({device_fault.which_gpu(local_rank, os.environ)}) {what}: "
-            "taking it for bad; this pod leaves to be placed on another node"
+        if hung:
+            what += f" (the last time NVML did not answer within {gpu_probe.TIMEOUT_S:.0f} s)"
+        whose = (
+            f"rank {rank}'s GPU ({device_fault.which_gpu(local_rank, os.environ)})"
+            if gpu is None
+            else f"rank {rank} failed and NVML says a GPU of this pod ({gpu})"
         )
+        why = f"{whose} {what}: taking it for bad; this pod leaves to be placed on another node"
         if any(os.environ.get(name) for name in pod_spec.FAULT_ENV_NAMES):
             why += " (a drill: the job sets MESHTRAIN_FAULT_*; the node may be healthy)"
         _say(self.pod, f"{why}: exit {exitcodes.DEVICE_SUSPECT}")

@@ -64,6 +64,9 @@ class Reservation:
     """(node changes, capacity changes) as counted when it was planned."""
     at: float
     """Monotonic time it was planned."""
+    clear: float | None = None
+    """When its nodes were clear by the declared limits of the jobs on them, as counted when it
+    was planned (epoch seconds; None: unknown, a job there declares no limit)."""
 
 
 def due(
@@ -124,14 +127,19 @@ CLEARING_STEPS = (1.0, 1.25, 1.5, 2.0)
 node set tried for it, earliest first (:func:`clearing_limits`); then every node."""
 
 
-def clearing_limits(ends: Mapping[str, float], slots: Mapping[str, int], pods: int) -> list[float]:
+def clearing_limits(
+    ends: Mapping[str, float], slots: Mapping[str, int], pods: int, kept: float | None = None
+) -> list[float]:
     """The clear times to try the holder's node set under, earliest first, then ``inf`` (every
     node).  Walking the nodes that can take one of its pods (``slots``: pods of it each takes with
     meshtrain's pods gone) from the soonest declared end (``ends``; ``inf``: unknown), each limit
     is the end at which the slots passed reach ``pods`` times a step of :data:`CLEARING_STEPS`.
     Planning on the nodes clear by the first limit that fits picks a set that frees soonest by
     the declared limits, as EASY backfill's reservation does, rather than whichever the fabric
-    cost prefers, which may wait for the longest limit there is."""
+    cost prefers, which may wait for the longest limit there is.  ``kept``: the clear time of the
+    set planned before for the same holder, as counted now; it is tried too, so that a plan
+    again never keeps a set that clears later while that one still fits (EASY's reserved start
+    moves later only when a job overruns)."""
     order = sorted((end, name) for name, end in ends.items() if end != math.inf and slots.get(name))
     limits, total, steps = set(), 0, iter(sorted(CLEARING_STEPS))
     want = next(steps, None)
@@ -140,6 +148,8 @@ def clearing_limits(ends: Mapping[str, float], slots: Mapping[str, int], pods: i
         while want is not None and total >= math.ceil(pods * want):
             limits.add(end)
             want = next(steps, None)
+    if kept is not None and kept != math.inf:
+        limits.add(kept)
     return [*sorted(limits), math.inf]
 
 
@@ -286,19 +296,22 @@ def backfilled(nodes: int, holder: str, ends: float | None, clear: float | None)
 
 
 def _stamp(epoch: float | None) -> str:
+    """``epoch`` to the second above it (every time said is a latest time: never rounded early)."""
     if epoch is None:
         return "an unknown time"
-    return datetime.datetime.fromtimestamp(epoch, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    later = datetime.datetime.fromtimestamp(math.ceil(epoch), datetime.UTC)
+    return later.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 SHOWN_NODES = 20
 """Nodes named in the holder's event at most (the rest are counted)."""
 
 
-def described(kept: Reservation, clear: float | None) -> str:
+def described(kept: Reservation) -> str:
     """The holder's event: which nodes are kept for it, and by when they are clear of the jobs on
-    them by those jobs' declared limits (``clear``, epoch seconds; None: a job there declares no
-    limit, so no bound can be said).  The time is :data:`CLEAR_BY`'s stamp, which benchmarks read."""
+    them by those jobs' declared limits (``kept.clear``; None: a job there declares no limit, so
+    no time can be said).  The time follows :data:`CLEAR_BY`; benchmarks read it."""
+    clear = kept.clear
     if not kept.nodes:
         return "no node set fits it even with meshtrain's pods gone: it holds no reservation"
     names = sorted(kept.nodes)
@@ -307,7 +320,7 @@ def described(kept: Reservation, clear: float | None) -> str:
     bound = (
         f"{CLEAR_BY} {_stamp(clear)} by the declared limits of the jobs on them"
         if clear is not None
-        else "no bound on its wait: a job on them declares no runPolicy.activeDeadlineSeconds"
+        else "no time they clear by: a job on them declares no runPolicy.activeDeadlineSeconds"
     )
     return (
         f"{len(names)} node(s) kept for this job, the longest waiting at the highest priority; "
