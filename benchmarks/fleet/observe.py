@@ -183,8 +183,8 @@ def holds(
     """Each holder's periods of holding (from its first Event to another holder's next, or
     ``end``) and whether the time its Events said its nodes clear by held: ``kept`` when all its
     pods ran (``ran``, epoch seconds; None: never) by the earliest time said in the period plus
-    :data:`START_ALLOWANCE_SECONDS`; ``passed on`` when the period ended before that came due;
-    ``broken`` otherwise; ``no time`` when no Event said one.  Times out are seconds after
+    :data:`START_ALLOWANCE_SECONDS`; ``passed on`` when another job held before that came due
+    (``run ended`` when the run did); ``broken`` otherwise; ``no time`` when no Event said one.  Times out are seconds after
     ``origin``; ``later`` counts Events that said a later time than the one before."""
     periods: list[tuple[str, float, list[Stated]]] = []
     for said in stated:
@@ -209,10 +209,11 @@ def holds(
             row["verdict"] = "no time"
         else:
             due = min(times) + START_ALLOWANCE_SECONDS
+            last = index + 1 == len(periods)
             if started is not None and started <= due:
                 row["verdict"] = "kept"
             elif until <= due:
-                row["verdict"] = "passed on"
+                row["verdict"] = "run ended" if last else "passed on"
             else:
                 row["verdict"] = "broken"
             ended = until if started is None else started

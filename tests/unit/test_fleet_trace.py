@@ -184,5 +184,5 @@ def test_each_holding_period_is_judged_by_the_earliest_time_its_events_said() ->
     assert (again["verdict"], again["late"]) == ("kept", allowance)
     assert (found["b"][0]["verdict"], found["b"][0]["late"]) == ("broken", 400 - 200)
     assert found["c"][0]["verdict"] == "passed on" and found["c"][0]["earliest"] == 2000
-    assert found["d"][0]["verdict"] == "passed on"  # the run ended before 950 + the allowance
+    assert found["d"][0]["verdict"] == "run ended"  # before 950 + the allowance
     assert observe.holds([observe.Stated(0, "e", None)], {}, 0, 10)["e"][0]["verdict"] == "no time"
