@@ -20,6 +20,8 @@ from meshtrain.operator.policy import (
     disruption_budget,
     excluded_nodes,
     lifecycle,
+    placement_status,
+    reservation,
 )
 from tests.unit.test_operator_container_reasons import (
     EVICTED,
@@ -31,6 +33,7 @@ from tests.unit.test_operator_container_reasons import (
     running,
     spec,
     status_of,
+    terminated,
 )
 
 # (status.reason, message) of a pod the kubelet refused at admission (pkg/kubelet/lifecycle,
@@ -150,3 +153,26 @@ def test_a_preemption_after_node_disruptions_waits_longer_but_leaves_their_count
     assert record["streak"] == 1 and record["preemptions"] == 1
     assert [n["node"] for n in record["nodes"]] == ["n1"]  # the preempting node is not counted
     assert decision.requeue_after is not None and decision.requeue_after >= 5
+
+
+def test_a_gang_rebuilt_for_a_disruption_keeps_its_place_among_the_waiting_and_its_own_failure_does_not():
+    """Placed after waiting since T0 - 10 min, ``queuedSince`` records that wait.  A node lost (a
+    disruption, not the job's doing) rebuilds the gang: it waits from T0 - 10 min again, ahead of
+    jobs that came later, as Kueue keeps a preempted workload's creation time.  Its trainer
+    failing (its own doing) rebuilds it too, but it waits from that failure."""
+    began = at(-600)
+    waiting = conditions.set([], conditions.PLACED, conditions.FALSE, "InsufficientGPUs", "", began)
+    unplaced = job(conditions=waiting, placement=[])
+    placed = placement_status.placed(unplaced, ["n0", "n1"], {}, at(0))
+    assert placed["queuedSince"] == conditions.timestamp(began)
+    status = {**first_status(), "queuedSince": placed["queuedSince"]}
+    _, lost = cycle(spec(), status, 30, disrupted(0, *NODE_CAUSED[0]))
+    assert lost["phase"] == "Restarting" and lost["queuedSince"] == conditions.timestamp(began)
+    assert reservation.since_of(lost, at(31)) == began.timestamp()
+    assert placement_status.placed(job(**lost), ["n2", "n1"], {}, at(40))["queuedSince"] == (
+        conditions.timestamp(began)
+    )
+    own = kubelet_pod(1, phase="Failed", attempt=0, **terminated("Error", 1))
+    _, failed = cycle(spec(), status, 30, own)
+    assert failed["phase"] == "Restarting" and failed.get("queuedSince") is None
+    assert reservation.since_of(failed, at(31)) == at(30).timestamp()

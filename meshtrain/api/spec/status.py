@@ -394,6 +394,13 @@ class TrainingJobStatus(base.StatusModel):
         description="Set when the job was placed on nodes reserved for a job that waited longer, "
         "its deadline ending it before those nodes clear (backfill): the deadline then in force.",
     )
+    queued_since: str | None = Field(
+        None,
+        description="When the job began to wait for its placement (RFC 3339): the order of the "
+        "waiting jobs, oldest first, after priority. Kept when the gang is rebuilt for a cause "
+        "that is not its own (a node or pod lost, a GPU taken for bad, a preemption), so it waits "
+        "in its old place; cleared by its own failure, a spec change or a suspend.",
+    )
     completion_time: str | None = Field(None, description="When the job succeeded or failed.")
     observed_generation: int | None = Field(
         None, description="Spec generation the status describes."

@@ -200,8 +200,8 @@ LIMIT_FIELDS = ("activeDeadlineSeconds", "terminationGracePeriodSeconds")
 def trim_job(job: kube.Body) -> kube.Body:
     """A TrainingJob as the cache keeps it: whether it is live, its UID, and which gated pods hold
     which nodes (``status.restarts`` and ``status.placement``, ``capacity.live_owner``); its Kueue
-    queue label and ``Placed`` condition (whether it may hold the reservation after a restart,
-    ``reservation.may_hold``); its declared limit, grace and start time (when its pods are gone,
+    queue label, ``Placed`` condition and ``queuedSince`` (whether it may hold the reservation
+    after a restart, ``reservation.may_hold``); its declared limit, grace and start time (when its pods are gone,
     ``reservation.limits_of``)."""
     metadata = job.get("metadata") or {}
     status = job.get("status") or {}
@@ -218,7 +218,9 @@ def trim_job(job: kube.Body) -> kube.Body:
         },
         **({"spec": {"runPolicy": policy}} if policy else {}),
         "status": {
-            **_pick(status, ("phase", "restarts", "placement", "startTime", "backfill")),
+            **_pick(
+                status, ("phase", "restarts", "placement", "startTime", "backfill", "queuedSince")
+            ),
             **({"conditions": [placed]} if placed else {}),
         },
     }

@@ -109,7 +109,13 @@ def restart_or_fail(
         if budget is not None
         else f"{message}; restarting the gang (restart {used + 1} of {limit})"
     )
-    counted = {"disruptionRestarts": disruptions + 1, **budget.status} if budget else {}
+    # a disruption keeps the gang's place among the waiting jobs (queuedSince); its own failure
+    # sends it behind the jobs waiting now
+    counted = (
+        {"disruptionRestarts": disruptions + 1, **budget.status}
+        if budget
+        else {"queuedSince": None}
+    )
     excluded = bad_gpus.excluded_after({**job.status, **counted}, bad)
     if excluded is not None:
         counted["excludedNodes"] = excluded

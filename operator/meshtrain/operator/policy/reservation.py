@@ -228,17 +228,31 @@ def is_ours(pod: Mapping[str, Any]) -> bool:
 
 def since_of(status: Mapping[str, Any], now: datetime.datetime) -> float:
     """When the job began to wait, in seconds since the epoch: the ``lastTransitionTime`` of its
-    ``Placed=False`` condition (kept across reasons and operator restarts), or of its
-    ``Suspended=False`` when later (``Placed`` stays False while a job is suspended, and time
-    suspended is not waiting), else ``now``."""
+    ``Placed=False`` condition (kept across reasons and operator restarts), or ``queuedSince``
+    when earlier (a gang rebuilt for a cause not its own keeps its place, :func:`queued_since`),
+    or of its ``Suspended=False`` when later (``Placed`` stays False while a job is suspended,
+    and time suspended is not waiting), else ``now``."""
     found = status.get("conditions") or []
     began = _false_since(conditions.find(found, conditions.PLACED))
     if began is None:
         return now.timestamp()
+    kept = _epoch(status.get("queuedSince"))
+    if kept is not None:
+        began = min(began, kept)
     resumed = _false_since(conditions.find(found, conditions.SUSPENDED))
     if resumed is not None:
         began = max(began, resumed)
     return min(began, now.timestamp())
+
+
+def queued_since(status: Mapping[str, Any], now: datetime.datetime) -> str:
+    """``status.queuedSince`` of a gang placed now: the one it has (it was rebuilt for a cause
+    not its own and kept its place), else when this wait began (:func:`since_of`)."""
+    kept = status.get("queuedSince")
+    if isinstance(kept, str) and _epoch(kept) is not None:
+        return kept
+    began = datetime.datetime.fromtimestamp(math.floor(since_of(status, now)), datetime.UTC)
+    return conditions.timestamp(began)
 
 
 def _false_since(condition: Mapping[str, Any] | None) -> float | None:

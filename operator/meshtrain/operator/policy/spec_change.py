@@ -45,6 +45,7 @@ def _rebuilt(seen: situation.Situation) -> job_actions.Decision:
         placement=[],
         specHash=None,
         elastic=None,
+        queuedSince=None,  # a new spec waits from now, behind the jobs waiting
         conditions=conds,
     )
     event = job_actions.Emit("Normal", conditions.SPEC_CHANGED, message)

@@ -54,6 +54,7 @@ def _resumed(seen: situation.Situation) -> job_actions.Decision:
                 conditions=conds,
                 startTime=None,
                 backfill=None,  # a new run: a new deadline, backfilled or not
+                queuedSince=None,  # and a new place among the waiting jobs
             ),
             job_actions.Emit("Normal", conditions.RESUMED, message),
         ),
