@@ -25,6 +25,7 @@ from meshtrain.operator.policy import (
     identity,
     job_state,
     naming,
+    queue_order,
     rescheduling,
     reservation,
 )
@@ -114,12 +115,12 @@ def test_the_wait_starts_at_the_placed_false_transition_so_a_restart_keeps_it() 
             }
         ]
     }
-    assert reservation.since_of(status, now) == began.timestamp()
+    assert queue_order.since_of(status, now) == began.timestamp()
     status["conditions"][0]["status"] = conditions.TRUE  # placed: not waiting
-    assert reservation.since_of(status, now) == now.timestamp()
-    assert reservation.since_of({}, now) == now.timestamp()
+    assert queue_order.since_of(status, now) == now.timestamp()
+    assert queue_order.since_of({}, now) == now.timestamp()
     status["conditions"][0].update(status=conditions.FALSE, lastTransitionTime="not a time")
-    assert reservation.since_of(status, now) == now.timestamp()
+    assert queue_order.since_of(status, now) == now.timestamp()
     # suspended a week ago (Placed went False then and stays False), resumed 2 minutes ago: the
     # wait starts at the resume, so a long suspension does not make the longest waiter
     week, resumed = now - datetime.timedelta(days=7), now - datetime.timedelta(minutes=2)
@@ -132,7 +133,7 @@ def test_the_wait_starts_at_the_placed_false_transition_so_a_restart_keeps_it() 
             "lastTransitionTime": conditions.timestamp(resumed),
         }
     )
-    assert reservation.since_of(status, now) == resumed.timestamp()
+    assert queue_order.since_of(status, now) == resumed.timestamp()
 
 
 def test_only_meshtrain_pods_count_free_for_the_holders_plan() -> None:

@@ -21,7 +21,7 @@ from meshtrain.operator.policy import (
     excluded_nodes,
     lifecycle,
     placement_status,
-    reservation,
+    queue_order,
 )
 from tests.unit.test_operator_container_reasons import (
     EVICTED,
@@ -168,11 +168,11 @@ def test_a_gang_rebuilt_for_a_disruption_keeps_its_place_among_the_waiting_and_i
     status = {**first_status(), "queuedSince": placed["queuedSince"]}
     _, lost = cycle(spec(), status, 30, disrupted(0, *NODE_CAUSED[0]))
     assert lost["phase"] == "Restarting" and lost["queuedSince"] == conditions.timestamp(began)
-    assert reservation.since_of(lost, at(31)) == began.timestamp()
+    assert queue_order.since_of(lost, at(31)) == began.timestamp()
     assert placement_status.placed(job(**lost), ["n2", "n1"], {}, at(40))["queuedSince"] == (
         conditions.timestamp(began)
     )
     own = kubelet_pod(1, phase="Failed", attempt=0, **terminated("Error", 1))
     _, failed = cycle(spec(), status, 30, own)
     assert failed["phase"] == "Restarting" and failed.get("queuedSince") is None
-    assert reservation.since_of(failed, at(31)) == at(30).timestamp()
+    assert queue_order.since_of(failed, at(31)) == at(30).timestamp()

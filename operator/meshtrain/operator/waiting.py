@@ -307,7 +307,7 @@ class Queue:
         """The job waits (since the first time: a job entered again keeps its place).
 
         ``unknown``: slot counts do not bound its plan (it re-places beside its own pods);
-        ``since``: when it began to wait (``reservation.since_of``; None: now), ``priority``: its
+        ``since``: when it began to wait (``queue_order.since_of``; None: now), ``priority``: its
         PriorityClass value; ``avoided_until``: monotonic time the first nodes its plan left out
         for a while (stragglers, scheduler refusals) may take its pods again, and those nodes
         (``GangFit.avoided_until``): an exclusion that ends with time, not with a capacity change;

@@ -53,7 +53,7 @@ class Waiting:
     need: Need
     """What it waits for."""
     since: float
-    """When it began to wait, in seconds since the epoch (``reservation.since_of``)."""
+    """When it began to wait, in seconds since the epoch (``queue_order.since_of``)."""
     fits_drained: bool = True
     """Whether its pods fit the nodes it may use with nothing running there (else it never holds)."""
     misses: int = 0

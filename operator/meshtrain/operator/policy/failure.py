@@ -111,7 +111,7 @@ def restart_or_fail(
     )
     # a disruption keeps the gang's place among the waiting jobs (queuedSince); its own failure
     # sends it behind the jobs waiting now
-    counted = (
+    counted: dict[str, Any] = (
         {"disruptionRestarts": disruptions + 1, **budget.status}
         if budget
         else {"queuedSince": None}

@@ -8,7 +8,7 @@ import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from meshtrain.operator.policy import conditions, identity, job_state, reservation
+from meshtrain.operator.policy import conditions, identity, job_state, queue_order
 
 
 def _plan(plan: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -42,7 +42,7 @@ def placed(
         "crossLevelBytes": dict(level_bytes),
         "specHash": identity.spec_hash(job.spec),
         "observedGeneration": job.generation,
-        "queuedSince": reservation.queued_since(job.status, now),
+        "queuedSince": queue_order.queued_since(job.status, now),
         **job_state.shape(job),
         **_plan(plan),
     }

@@ -32,7 +32,7 @@ from typing import Any
 from meshtrain import placement
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import run_policy
-from meshtrain.operator.policy import conditions, kueue_workload, naming
+from meshtrain.operator.policy import conditions, kueue_workload, naming, queue_order
 
 REPLAN_AFTER_SECONDS = 30.0
 """The reservation of one holder is planned again at most this often (a plan over every node)."""
@@ -159,7 +159,7 @@ def job_end(spec: api_spec.TrainingJobSpec, status: Mapping[str, Any], now: floa
     ends = end_bound(
         policy.active_deadline_seconds,
         policy.termination_grace_period_seconds,
-        _epoch(status.get("startTime")),
+        queue_order.epoch(status.get("startTime")),
         now,
     )
     return _kept(ends, status, policy.termination_grace_period_seconds)
@@ -169,7 +169,7 @@ def _kept(ends: float | None, status: Mapping[str, Any], grace: int | None) -> f
     """``ends``, or sooner the deadline the job backfilled with (``status.backfill``), which a
     later edit of its spec does not move."""
     record = status.get("backfill")
-    kept = _epoch(record.get("deadlineAt")) if isinstance(record, dict) else None
+    kept = queue_order.epoch(record.get("deadlineAt")) if isinstance(record, dict) else None
     if kept is None:
         return ends
     bound = kept + (grace or 0) + ENFORCE_SLACK_SECONDS
@@ -184,7 +184,7 @@ def pod_end(
     plus the grace period) and :data:`ENFORCE_SLACK_SECONDS`; any other by its ``job``'s
     declared limit as the cache keeps it (``informer.trim_job``).  None: not bounded (no
     deadline, or the job is not in the cache)."""
-    deleted = _epoch(((pod or {}).get("metadata") or {}).get("deletionTimestamp"))
+    deleted = queue_order.epoch(((pod or {}).get("metadata") or {}).get("deletionTimestamp"))
     if deleted is not None:
         return deleted + ENFORCE_SLACK_SECONDS
     if job is None:
@@ -194,22 +194,13 @@ def pod_end(
     grace = _count(policy.get("terminationGracePeriodSeconds"))
     status = job.get("status") or {}
     grace = DEFAULT_GRACE_SECONDS if grace is None else grace
-    return _kept(end_bound(deadline, grace, _epoch(status.get("startTime")), now), status, grace)
+    return _kept(
+        end_bound(deadline, grace, queue_order.epoch(status.get("startTime")), now), status, grace
+    )
 
 
 def _count(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _epoch(value: Any) -> float | None:
-    """An RFC 3339 time as seconds since the epoch; None when absent, unreadable or naive."""
-    try:
-        parsed = conditions.parse_time(value)
-    except (TypeError, ValueError):
-        return None
-    if parsed is None or parsed.tzinfo is None:
-        return None
-    return parsed.timestamp()
 
 
 def outside(free: Mapping[str, int], reserved: frozenset[str]) -> dict[str, int]:
@@ -226,49 +217,6 @@ def is_ours(pod: Mapping[str, Any]) -> bool:
     return bool(labels.get(naming.LABEL_MANAGED_BY) == naming.MANAGED_BY)
 
 
-def since_of(status: Mapping[str, Any], now: datetime.datetime) -> float:
-    """When the job began to wait, in seconds since the epoch: the ``lastTransitionTime`` of its
-    ``Placed=False`` condition (kept across reasons and operator restarts), or ``queuedSince``
-    when earlier (a gang rebuilt for a cause not its own keeps its place, :func:`queued_since`),
-    or of its ``Suspended=False`` when later (``Placed`` stays False while a job is suspended,
-    and time suspended is not waiting), else ``now``."""
-    found = status.get("conditions") or []
-    began = _false_since(conditions.find(found, conditions.PLACED))
-    if began is None:
-        return now.timestamp()
-    kept = _epoch(status.get("queuedSince"))
-    if kept is not None:
-        began = min(began, kept)
-    resumed = _false_since(conditions.find(found, conditions.SUSPENDED))
-    if resumed is not None:
-        began = max(began, resumed)
-    return min(began, now.timestamp())
-
-
-def queued_since(status: Mapping[str, Any], now: datetime.datetime) -> str:
-    """``status.queuedSince`` of a gang placed now: the one it has (it was rebuilt for a cause
-    not its own and kept its place), else when this wait began (:func:`since_of`)."""
-    kept = status.get("queuedSince")
-    if isinstance(kept, str) and _epoch(kept) is not None:
-        return kept
-    began = datetime.datetime.fromtimestamp(math.floor(since_of(status, now)), datetime.UTC)
-    return conditions.timestamp(began)
-
-
-def _false_since(condition: Mapping[str, Any] | None) -> float | None:
-    """The ``lastTransitionTime`` of a condition whose status is False, as epoch seconds; None
-    when it is not False or its time is missing or malformed (a hand-edited status)."""
-    if not condition or condition.get("status") != conditions.FALSE:
-        return None
-    try:
-        began = conditions.parse_time(condition.get("lastTransitionTime"))
-    except (TypeError, ValueError):
-        return None
-    if began is None or began.tzinfo is None:
-        return None
-    return began.timestamp()
-
-
 def may_hold(job: Mapping[str, Any], now: datetime.datetime, after: float) -> bool:
     """Whether a TrainingJob, as its object shows, waits for GPUs outside Kueue and has waited
     ``after`` seconds: after a restart it may hold before this process planned it."""
@@ -279,7 +227,7 @@ def may_hold(job: Mapping[str, Any], now: datetime.datetime, after: float) -> bo
     placed = conditions.find(status.get("conditions") or [], conditions.PLACED) or {}
     if placed.get("status") != conditions.FALSE or placed.get("reason") not in WAITING_REASONS:
         return False
-    return now.timestamp() - since_of(status, now) >= after
+    return now.timestamp() - queue_order.since_of(status, now) >= after
 
 
 def message(pods: int, nodes: int, bounded: bool) -> str:

@@ -5,7 +5,7 @@ A preferred level is weighed per byte: the planner places across its domains whe
 has room now.  Under churn that splits gangs that one domain would have held a minute later, and
 a split gang pays cross-domain bytes at every step for the rest of its run.  ``waitSeconds`` trades
 start time for those bytes, as Slurm's ``--switches=N@max-time`` does: while the job has waited
-less than that for placement (its ``Placed=False`` condition's age, ``reservation.since_of``),
+less than that for placement (its ``Placed=False`` condition's age, ``queue_order.since_of``),
 the level is required of the whole gang; after that it is preferred again.
 
 Only a job's first placement is held: a gang that ran once (``status.startTime``) is re-placed at
@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.policy import conditions, job_state, reservation
+from meshtrain.operator.policy import conditions, job_state, queue_order
 from meshtrain.placement import topology
 
 EmptySlots = Iterable[tuple[str, Mapping[str, str], int]]
@@ -96,7 +96,7 @@ def of_job(job: job_state.JobState, empty_slots: EmptySlots, now: datetime.datet
     assert declared is not None
     # whole seconds, as the condition's lastTransitionTime records it: the first plan (no
     # condition yet) and the next say the same times
-    began = math.floor(reservation.since_of(job.status, now))
+    began = math.floor(queue_order.since_of(job.status, now))
     return hold(declared, datetime.datetime.fromtimestamp(began, datetime.UTC), now, empty_slots)
 
 
