@@ -10,12 +10,14 @@ Eviction API and the kubelet's node-pressure eviction.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
 from meshtrain.api.spec import status as api_status
 from meshtrain.operator.policy import (
+    capacity_queue,
     conditions,
     disruption_budget,
     excluded_nodes,
@@ -158,21 +160,43 @@ def test_a_preemption_after_node_disruptions_waits_longer_but_leaves_their_count
 def test_a_gang_rebuilt_for_a_disruption_keeps_its_place_among_the_waiting_and_its_own_failure_does_not():
     """Placed after waiting since T0 - 10 min, ``queuedSince`` records that wait.  A node lost (a
     disruption, not the job's doing) rebuilds the gang: it waits from T0 - 10 min again, ahead of
-    jobs that came later, as Kueue keeps a preempted workload's creation time.  Its trainer
-    failing (its own doing) rebuilds it too, but it waits from that failure."""
+    jobs that came later, as Kueue keeps a preempted workload's creation time, and its next
+    placement keeps that time.  Its spec edited while it waits (a new generation) waits from the
+    rebuild instead.  Its trainer failing (its own doing) rebuilds it too, but it waits from that
+    failure."""
     began = at(-600)
     waiting = conditions.set([], conditions.PLACED, conditions.FALSE, "InsufficientGPUs", "", began)
     unplaced = job(conditions=waiting, placement=[])
     placed = placement_status.placed(unplaced, ["n0", "n1"], {}, at(0))
     assert placed["queuedSince"] == conditions.timestamp(began)
-    status = {**first_status(), "queuedSince": placed["queuedSince"]}
+    assert placed["queuedGeneration"] == unplaced.generation == 1
+    status = {**first_status(), **queue_order.queued(unplaced.status, at(0), 1)}
     _, lost = cycle(spec(), status, 30, disrupted(0, *NODE_CAUSED[0]))
     assert lost["phase"] == "Restarting" and lost["queuedSince"] == conditions.timestamp(began)
-    assert queue_order.since_of(lost, at(31)) == began.timestamp()
-    assert placement_status.placed(job(**lost), ["n2", "n1"], {}, at(40))["queuedSince"] == (
-        conditions.timestamp(began)
+    assert queue_order.since_of(lost, at(31), 1) == began.timestamp()
+    again = placement_status.placed(job(**lost), ["n2", "n1"], {}, at(40))
+    assert again["queuedSince"] == conditions.timestamp(began)
+    edited = dataclasses.replace(job(**lost), generation=2)  # its spec changed while it waited
+    assert queue_order.since_of(lost, at(31), 2) == at(30).timestamp()
+    assert placement_status.placed(edited, ["n2", "n1"], {}, at(40))["queuedSince"] == (
+        conditions.timestamp(at(30))
     )
     own = kubelet_pod(1, phase="Failed", attempt=0, **terminated("Error", 1))
     _, failed = cycle(spec(), status, 30, own)
     assert failed["phase"] == "Restarting" and failed.get("queuedSince") is None
-    assert queue_order.since_of(failed, at(31)) == at(30).timestamp()
+    assert queue_order.since_of(failed, at(31), 1) == at(30).timestamp()
+
+
+def test_the_job_that_kept_its_place_holds_the_reservation_before_a_later_one():
+    """Of two jobs waiting now, the one rebuilt for a disruption (its wait kept from an hour ago)
+    holds the reservation before the one that began to wait ten minutes ago."""
+    now = at(3600)
+    kept = {
+        "conditions": conditions.set([], conditions.PLACED, conditions.FALSE, "x", "", at(3000)),
+        **queue_order.queued({}, at(0), 1),
+    }
+    fresh = {"conditions": kept["conditions"]}
+    need = capacity_queue.Need("shape", 8, 4)
+    rebuilt = capacity_queue.Waiting("rebuilt", need, queue_order.since_of(kept, now, 1))
+    later = capacity_queue.Waiting("later", need, queue_order.since_of(fresh, now, 1) - 1)
+    assert capacity_queue.holder([later, rebuilt], now.timestamp()) == rebuilt

@@ -398,8 +398,14 @@ class TrainingJobStatus(base.StatusModel):
         None,
         description="When the job began to wait for its placement (RFC 3339): the order of the "
         "waiting jobs, oldest first, after priority. Kept when the gang is rebuilt for a cause "
-        "that is not its own (a node or pod lost, a GPU taken for bad, a preemption), so it waits "
-        "in its old place; cleared by its own failure, a spec change or a suspend.",
+        "that is not its own (a node or pod lost, a GPU taken for bad, a preemption, a "
+        "straggler's rebuild), so it waits in its old place while its spec is unchanged; "
+        "cleared by its own failure, a spec change, a resume, an elastic grow or a Kueue hold.",
+    )
+    queued_generation: int | None = Field(
+        None,
+        description="The spec generation queuedSince was kept for: a spec edited since waits "
+        "from its own start.",
     )
     completion_time: str | None = Field(None, description="When the job succeeded or failed.")
     observed_generation: int | None = Field(

@@ -664,7 +664,7 @@ class Placer:
         )
         if isinstance(outcome, placement_outcome.Unplaced):
             outcome = reserving.unplaced(self.waiting, job, demand, outcome)
-            since = queue_order.since_of(job.status, now)
+            since = queue_order.since_of(job.status, now, job.generation)
             declared, beside = job.declared or sized.spec, self._beside_own(job)
             # the hold's end on the monotonic clock, from when ``now`` was read (not the plan's end)
             held_until = None if hold is None else began + (hold.until - now).total_seconds()

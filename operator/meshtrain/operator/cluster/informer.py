@@ -213,13 +213,20 @@ def trim_job(job: kube.Body) -> kube.Body:
         placed = {}  # it holds nothing: a change there is no news (``_wake`` wakes at finished jobs)
     return {
         "metadata": {
-            **_pick(metadata, ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp")),
+            **_pick(
+                metadata,
+                ("name", "namespace", "uid", "generation", "resourceVersion", "deletionTimestamp"),
+            ),
             **({"labels": labels} if labels else {}),
         },
         **({"spec": {"runPolicy": policy}} if policy else {}),
         "status": {
             **_pick(
-                status, ("phase", "restarts", "placement", "startTime", "backfill", "queuedSince")
+                status,
+                (
+                    *("phase", "restarts", "placement", "startTime", "backfill"),
+                    *("queuedSince", "queuedGeneration"),
+                ),
             ),
             **({"conditions": [placed]} if placed else {}),
         },

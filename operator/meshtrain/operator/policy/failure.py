@@ -26,6 +26,7 @@ from meshtrain.operator.policy import (
     kubelet_tier,
     pod_failure,
     pod_state,
+    queue_order,
     replacement,
     situation,
 )
@@ -114,7 +115,7 @@ def restart_or_fail(
     counted: dict[str, Any] = (
         {"disruptionRestarts": disruptions + 1, **budget.status}
         if budget
-        else {"queuedSince": None}
+        else dict(queue_order.CLEARED)
     )
     excluded = bad_gpus.excluded_after({**job.status, **counted}, bad)
     if excluded is not None:

@@ -16,6 +16,7 @@ from meshtrain.operator.policy import (
     job_state,
     kueue_workload,
     pod_state,
+    queue_order,
     situation,
     suspend,
 )
@@ -119,6 +120,7 @@ def _held(seen: situation.Situation) -> job_actions.Decision:
                 conditions=conds,
                 placement=[],
                 startTime=None,
+                **queue_order.CLEARED,  # Kueue's queue orders it now
             ),
             job_actions.Emit("Warning" if warning else "Normal", reason, message),
         ]

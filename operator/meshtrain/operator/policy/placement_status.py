@@ -42,7 +42,7 @@ def placed(
         "crossLevelBytes": dict(level_bytes),
         "specHash": identity.spec_hash(job.spec),
         "observedGeneration": job.generation,
-        "queuedSince": queue_order.queued_since(job.status, now),
+        **queue_order.queued(job.status, now, job.generation),
         **job_state.shape(job),
         **_plan(plan),
     }

@@ -227,7 +227,8 @@ def may_hold(job: Mapping[str, Any], now: datetime.datetime, after: float) -> bo
     placed = conditions.find(status.get("conditions") or [], conditions.PLACED) or {}
     if placed.get("status") != conditions.FALSE or placed.get("reason") not in WAITING_REASONS:
         return False
-    return now.timestamp() - queue_order.since_of(status, now) >= after
+    since = queue_order.since_of(status, now, metadata.get("generation"))
+    return now.timestamp() - since >= after
 
 
 def message(pods: int, nodes: int, bounded: bool) -> str:

@@ -18,7 +18,7 @@ import pydantic
 from meshtrain.api import elastic, rules
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import status as api_status
-from meshtrain.operator.policy import conditions, kueue_workload
+from meshtrain.operator.policy import conditions, kueue_workload, queue_order
 
 GROW_CHECK_SECONDS = 10.0
 """How often a gang that may grow is checked for room while it runs (the first check's backoff)."""
@@ -291,5 +291,6 @@ def growing(
         "straggler": None,
         "specHash": None,
         "conditions": conds,
+        **queue_order.CLEARED,  # a grow that loses the race waits from then
     }
     return fields, message

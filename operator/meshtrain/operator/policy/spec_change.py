@@ -13,6 +13,7 @@ from meshtrain.operator.policy import (
     finish,
     job_actions,
     job_state,
+    queue_order,
     situation,
 )
 
@@ -45,7 +46,7 @@ def _rebuilt(seen: situation.Situation) -> job_actions.Decision:
         placement=[],
         specHash=None,
         elastic=None,
-        queuedSince=None,  # a new spec waits from now, behind the jobs waiting
+        **queue_order.CLEARED,  # a new spec waits from now, behind the jobs waiting
         conditions=conds,
     )
     event = job_actions.Emit("Normal", conditions.SPEC_CHANGED, message)

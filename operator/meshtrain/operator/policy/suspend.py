@@ -7,7 +7,14 @@ pods are not taken for a failed gang, and resets ``startTime``: time suspended i
 
 from __future__ import annotations
 
-from meshtrain.operator.policy import conditions, job_actions, job_state, pod_state, situation
+from meshtrain.operator.policy import (
+    conditions,
+    job_actions,
+    job_state,
+    pod_state,
+    queue_order,
+    situation,
+)
 
 
 def suspended(seen: situation.Situation) -> job_actions.Decision:
@@ -54,7 +61,7 @@ def _resumed(seen: situation.Situation) -> job_actions.Decision:
                 conditions=conds,
                 startTime=None,
                 backfill=None,  # a new run: a new deadline, backfilled or not
-                queuedSince=None,  # and a new place among the waiting jobs
+                **queue_order.CLEARED,  # and a new place among the waiting jobs
             ),
             job_actions.Emit("Normal", conditions.RESUMED, message),
         ),

@@ -96,7 +96,7 @@ def of_job(job: job_state.JobState, empty_slots: EmptySlots, now: datetime.datet
     assert declared is not None
     # whole seconds, as the condition's lastTransitionTime records it: the first plan (no
     # condition yet) and the next say the same times
-    began = math.floor(queue_order.since_of(job.status, now))
+    began = math.floor(queue_order.since_of(job.status, now, job.generation))
     return hold(declared, datetime.datetime.fromtimestamp(began, datetime.UTC), now, empty_slots)
 
 
