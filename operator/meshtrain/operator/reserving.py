@@ -115,6 +115,7 @@ async def _plan(
             *(ref.namespace, ref.name),
         )
         return planned
+    # the clear time is counted on the set now in place, so it is set first, then carried on it
     planned = queue.reservation = dataclasses.replace(planned, clear=queue.reserved_clear())
     logger.info(
         "%s/%s holds the reservation: %d node(s) kept for it; %s",
