@@ -41,6 +41,15 @@ exits with it.  The operator treats the pod as lost by its node: replaced alone 
 while the other pods wait at the round, or the gang rebuilt without the node, which
 ``status.excludedNodes`` names at once either way (a disruption: not counted against
 ``backoffLimit``).  The kubelet never restarts a container in place on it."""
+DEVICE_SUSPECT_WINDOW_S = 3600.0
+"""Two device errors within this long on one GPU, or on one node across the job's pods and gangs,
+take it for bad (:data:`DEVICE_SUSPECT`): a healthy GPU raises one about once in months."""
+DEVICE_ERROR_CAUSE = f"exit {DEVICE_ERROR}"
+"""The ``cause`` of a recovery record whose rank's GPU failed (the supervisor's words for 78)."""
+DEVICE_ERROR_AT_ENV = "MESHTRAIN_DEVICE_ERROR_AT"
+"""Set by the operator on a pod placed on a node where one of the job's GPUs failed within
+:data:`DEVICE_SUSPECT_WINDOW_S`: the unix time of the newest such error (``status.deviceErrors``).
+Its supervisor counts it as the first strike of the node, which no gang rebuild forgets."""
 DEVICE_LOST = 80
 """A supervised rank's GPU is gone (NVML's "GPU is lost", the kernel log's "fallen off the bus"): a
 worker's code, never a pod's.  Such a GPU does not come back without a reset of the device or the
@@ -84,15 +93,38 @@ MESSAGE_LIMIT = 3000
 """Characters of the trainer's message kept in a failure report (the kubelet keeps 4096 bytes)."""
 
 
-def failure_report(code: int, message: str) -> str:
+MAX_DEVICE_ERROR_RANKS = 64
+"""Ranks a failure report lists under ``deviceErrorRanks``."""
+
+
+def failure_report(code: int, message: str, device_error_ranks: tuple[int, ...] = ()) -> str:
     """The termination message a rank leaves when it exits with ``code``.
 
     torchrun exits 1 whatever code a worker exits with, so the pod's exit code
     loses the class; the kubelet still reports this file's content as the
     container's ``state.terminated.message``, which the operator reads back
-    with :func:`read_failure_report`.
+    with :func:`read_failure_report`.  ``device_error_ranks``: the ranks whose GPU failed
+    (:data:`DEVICE_ERROR`) just before the pod left, for the operator's memory of its node
+    (:func:`reported_device_error_ranks`).
     """
-    return json.dumps({"exitCode": code, "message": message[-MESSAGE_LIMIT:]}) + "\n"
+    document: dict[str, object] = {"exitCode": code, "message": message[-MESSAGE_LIMIT:]}
+    if device_error_ranks:
+        document["deviceErrorRanks"] = list(device_error_ranks[:MAX_DEVICE_ERROR_RANKS])
+    return json.dumps(document) + "\n"
+
+
+def reported_device_error_ranks(text: str | None) -> tuple[int, ...]:
+    """The ranks a :func:`failure_report` says failed with a device error (none when it says
+    none, or is not one)."""
+    try:
+        document = json.loads(text or "")
+    except ValueError:
+        return ()
+    ranks = document.get("deviceErrorRanks") if isinstance(document, dict) else None
+    if not isinstance(ranks, list):
+        return ()
+    valid = (r for r in ranks if isinstance(r, int) and not isinstance(r, bool) and r >= 0)
+    return tuple(valid)[:MAX_DEVICE_ERROR_RANKS]
 
 
 def read_failure_report(text: str | None) -> tuple[int, str] | None:

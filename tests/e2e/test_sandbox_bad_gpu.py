@@ -17,6 +17,7 @@ termination log.  From what the real kubelet reports then:
 
 from __future__ import annotations
 
+import datetime
 import json
 from typing import Any
 
@@ -146,3 +147,99 @@ def _tier(job: dict[str, Any], tier: str) -> int:
     """``status.recovery.byTier[tier]`` of a version of the job (0 when absent)."""
     recovery = (job.get("status") or {}).get("recovery") or {}
     return int((recovery.get("byTier") or {}).get(tier) or 0)
+
+
+def _bound_of(pods: Any, attempt: int) -> dict[str, dict[str, Any]]:
+    """Pod name -> newest version, once both pods of gang ``attempt`` are bound to a node."""
+    latest: dict[str, dict[str, Any]] = {}
+    for _, pod in pods.seen:
+        if pod["metadata"]["labels"].get(naming.LABEL_ATTEMPT) == str(attempt):
+            latest[pod["metadata"]["name"]] = pod
+    bound = {n: p for n, p in latest.items() if p["spec"].get("nodeName")}
+    return bound if len(bound) >= 2 else {}
+
+
+def _told(pod: dict[str, Any]) -> str | None:
+    """The trainer container's ``exitcodes.DEVICE_ERROR_AT_ENV`` (None: the pod was told nothing)."""
+    [trainer] = [c for c in pod["spec"]["containers"] if c["name"] == naming.CONTAINER]
+    return next(
+        (
+            e.get("value")
+            for e in trainer.get("env") or []
+            if e["name"] == exitcodes.DEVICE_ERROR_AT_ENV
+        ),
+        None,
+    )
+
+
+def test_without_in_place_recovery_a_device_error_outlives_the_gang_and_the_second_excludes_the_node(
+    sandbox: tuple[supervisor.Paths, dict[str, Any]],
+) -> None:
+    """``runPolicy.recovery.inPlace: false`` and ``backoffLimit: 0``: every failure rebuilds the
+    gang, so no supervisor lives to see a GPU fail twice.  Rank 1's GPU on node A fails before
+    step 8 in every generation; node B stays cordoned until the second gang is bound, so both
+    gangs start on node A.  From what the real kubelet and API server report:
+
+    - gang 0: rank 1's worker exits 78, its supervisor exits 75 naming rank 1 (as does pod 0's,
+      from the halt); the operator rebuilds the gang as a disruption (no ``backoffLimit`` spent)
+      and keeps node A's error in ``status.deviceErrors``;
+    - gang 1: pod 1, again on node A, is told the time (``MESHTRAIN_DEVICE_ERROR_AT``; pod 0 on
+      node A too, since the error is the node's); at rank 1's next device error its supervisor
+      exits 79 at once, saying the job had one on the node before; node A is excluded;
+    - gang 2 runs on node B and the job succeeds, with two disruption restarts and none counted.
+    """
+    paths, _state = sandbox
+    name = "bad-gpu-rebuilt"
+    drill = [
+        {"name": faults.ENV, "value": f"1:{FAULT_STEP}:device"},
+        {"name": faults.NODE_ENV, "value": NODE_A},
+    ]
+    job = (
+        _example(name, "bad-gpu-rebuilt-checkpoints")
+        .layout(data=2, pipeline=1, gpus_per_node=1)
+        .training(steps=30)
+        .run_policy(backoffLimit=0, recovery={"inPlace": False})
+        .pod(env=drill)
+    )
+    example.kubectl(paths, "cordon", NODE_B)
+    try:
+        with _watched(paths, name) as (pods, watched):
+            _apply(paths, job)
+            first = _wait("gang 0 bound", lambda: _bound_of(pods, 0), 300)
+            kept = _until(watched, lambda j: (j.get("status") or {}).get("deviceErrors"), 600)
+            second = _wait("gang 1 bound", lambda: _bound_of(pods, 1), 600)
+            example.kubectl(paths, "uncordon", NODE_B)
+            excluded = _until(watched, lambda j: (j.get("status") or {}).get("excludedNodes"), 600)
+            final = _until(watched, lambda j: (j.get("status") or {}).get("phase") in _ENDED, 900)
+            third = _bound_of(pods, 2)
+            seen = list(pods.seen)
+    finally:
+        example.kubectl(paths, "uncordon", NODE_B, check=False)
+
+    assert {p["spec"]["nodeName"] for p in first.values()} == {NODE_A}, first
+    assert all(_told(p) is None for p in first.values()), "gang 0 was told of no earlier error"
+    [error] = kept["status"]["deviceErrors"]
+    print(f"status.deviceErrors after gang 0: {error}")
+    assert (error["node"], error["ranks"]) == (NODE_A, [1]), error
+    assert kept["status"].get("disruptionRestarts") == 1, kept["status"]
+
+    assert {p["spec"]["nodeName"] for p in second.values()} == {NODE_A}, second
+    at = {p["metadata"]["labels"][NODE_RANK]: _told(p) for p in second.values()}
+    said = int(datetime.datetime.fromisoformat(error["time"].replace("Z", "+00:00")).timestamp())
+    assert at == {"0": str(said), "1": str(said)}, at
+    by_rank = {p["metadata"]["labels"][NODE_RANK]: p for p in second.values()}
+    left = _left_with(pods, by_rank["1"]["metadata"]["uid"], exitcodes.DEVICE_SUSPECT)
+    assert left is not None, "gang 1's pod 1 left with 79"
+    print(f"gang 1's pod 1 left: {left.get('message')}")
+    assert "before this pod started" in (left.get("message") or ""), left
+
+    # node A is excluded for its bad GPU (and, having disrupted the gang twice, as a disruptor)
+    entries = excluded["status"]["excludedNodes"]
+    assert {e["node"] for e in entries} == {NODE_A}, entries
+    [bad] = [e for e in entries if e["reason"] == bad_gpus.REASON]
+    assert "before this pod started" in bad["message"], bad
+    status = final["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=2)
+    assert status["restarts"] == 2 and status["disruptionRestarts"] == 2, status
+    assert third and {p["spec"]["nodeName"] for p in third.values()} == {NODE_B}, third
+    assert len({p["metadata"]["uid"] for _, p in seen}) == 6, "three gangs of two pods"

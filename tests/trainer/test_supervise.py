@@ -433,6 +433,69 @@ def test_a_gpu_gone_without_in_place_recovery_still_sends_its_pod_away(tmp_path:
 
 
 @pytest.mark.slow
+def test_without_in_place_recovery_a_device_error_names_its_rank_in_every_pods_report(
+    tmp_path: Path,
+) -> None:
+    """``inPlace: false``: rank 1's GPU (pod 1) fails once (78).  Its supervisor gives up (75)
+    and halts the gang with the rank; pod 0 reads the halt.  Both pods' failure reports name
+    rank 1, so whichever exit the operator reads first, it keeps the node's device error past
+    the rebuild (``status.deviceErrors``)."""
+    spec = _spec(tmp_path, 4, {"inPlace": False}, ranks=2)
+    port = launch.free_port()
+    logs = [tmp_path / f"termination-{pod}" for pod in (0, 1)]
+    procs = [
+        proc
+        for pod in (0, 1)
+        for proc in _supervisors(
+            *(spec, tmp_path, 2, 1, NO_SPARES),
+            port=port,
+            only=pod,
+            MESHTRAIN_TERMINATION_LOG=str(logs[pod]),
+            **{faults.ENV: "1:2:device"},
+        )
+    ]
+    codes = _wait(procs, tmp_path, timeout=240)
+    assert codes == [exitcodes.GANG_RESTART] * 2, _logs(tmp_path)
+    for log in logs:
+        text = log.read_text()
+        assert exitcodes.read_failure_report(text) is not None, text
+        assert exitcodes.reported_device_error_ranks(text) == (1,), text
+
+
+@pytest.mark.slow
+def test_a_device_error_on_a_node_where_the_job_had_one_sends_the_pod_away_at_once(
+    tmp_path: Path,
+) -> None:
+    """The operator told pod 1 that a GPU of the job failed on its node 10 minutes ago (a
+    previous gang's; ``exitcodes.DEVICE_ERROR_AT_ENV``).  Its rank's first device error is
+    the node's second within the hour: the pod leaves with 79 at once, saying so, and no process
+    is started on the GPU again; pod 0, told nothing, waits in place for the replacement."""
+    spec = _spec(tmp_path, 4, ranks=2)
+    port = launch.free_port()
+    termination = tmp_path / "termination-log"
+    common = (spec, tmp_path, 2, 1, NO_SPARES)
+    fault = {faults.ENV: "1:2:device"}
+    [pod0] = _supervisors(*common, port=port, only=0, **fault)
+    earlier = str(int(time.time()) - 600)
+    [pod1] = _supervisors(
+        *common,
+        port=port,
+        only=1,
+        MESHTRAIN_TERMINATION_LOG=str(termination),
+        **{exitcodes.DEVICE_ERROR_AT_ENV: earlier, **fault},
+    )
+    assert _wait([pod1], tmp_path, timeout=240) == [exitcodes.DEVICE_SUSPECT], _logs(tmp_path)
+    log = (tmp_path / "sup-1.log").read_text()
+    assert log.count(f"failed (exit {exitcodes.DEVICE_ERROR})") == 1, log
+    report = exitcodes.read_failure_report(termination.read_text())
+    assert report is not None and report[0] == exitcodes.DEVICE_SUSPECT, report
+    assert "device error of this job on this node before this pod started" in report[1], report
+    assert pod0.poll() is None, _logs(tmp_path)  # waiting in place
+    [pod1] = _supervisors(*common, port=port, only=1)  # the replacement, on a healthy node
+    assert _wait([pod0, pod1], tmp_path) == [0, 0], _logs(tmp_path)
+
+
+@pytest.mark.slow
 def test_a_restarted_pod_rejoins_while_the_other_keeps_its_processes(
     tmp_path: Path, unfaulted: tuple[Path, Path]
 ) -> None:

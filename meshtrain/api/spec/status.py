@@ -204,6 +204,17 @@ class ExcludedNode(base.StatusModel):
     )
 
 
+class DeviceError(base.StatusModel):
+    """A device error of one of the job's GPUs (an uncorrectable ECC or NVLink error), by node."""
+
+    node: str = Field(description="Node of the GPU that failed.")
+    time: str = Field(description="RFC 3339 time it failed.")
+    ranks: list[Annotated[int, Field(ge=0, description="A global rank.")]] = Field(
+        default_factory=list, description="The ranks whose GPU failed there (at most 8)."
+    )
+    message: str = Field("", description="How the operator learned of it.")
+
+
 class DisruptedNode(base.StatusModel):
     """A node that disrupted this job's gang (runPolicy.disruptionRestartLimit)."""
 
@@ -430,6 +441,12 @@ class TrainingJobStatus(base.StatusModel):
         description="Nodes a straggler was replaced on, that disrupted the job twice, or where a GPU"
         " of its pod was taken for bad; each is left out of this job's placements for 24 h after its"
         " time.",
+    )
+    device_errors: list[DeviceError] = Field(
+        default_factory=list,
+        description="The job's newest 32 device errors, by node, kept across its gangs: a pod placed"
+        " on a node within an hour of one there is told its time (MESHTRAIN_DEVICE_ERROR_AT), so that"
+        " one more device error takes the GPU for bad at once (exit 79, the node excluded).",
     )
     straggler_replacements: int = Field(
         0, ge=0, description="Gangs rebuilt without a straggler's node so far."

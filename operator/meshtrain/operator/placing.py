@@ -45,6 +45,7 @@ from meshtrain.operator.policy import (
     builders,
     capacity,
     conditions,
+    device_errors,
     devices,
     failure,
     feasibility,
@@ -586,6 +587,7 @@ class Placer:
                         restart_rules=self.restart_rules,
                         restart_all=every,
                         pod_group=gang_backend.native_group(group),
+                        device_errors=device_errors.newest_by_node(job.status, now),
                     ),
                     group,
                 ),
@@ -710,6 +712,7 @@ class Placer:
                 restart_rules=self.restart_rules,
                 restart_all=self.restart_all_on(outcome.nodes),
                 pod_group=gang_backend.native_group(group),
+                device_errors=device_errors.newest_by_node(job.status, now),
             )
         ]
         gang = creating.Gang(

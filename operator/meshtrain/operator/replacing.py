@@ -26,6 +26,7 @@ from meshtrain.operator.policy import (
     builders,
     capacity,
     conditions,
+    device_errors,
     devices,
     feasibility,
     identity,
@@ -309,6 +310,7 @@ class Replacer:
             restart_rules=self.placer.restart_rules,
             restart_all=self.placer.restart_all_on([node]),
             name=name,
+            device_errors=device_errors.newest_by_node(job.status, clock.now()),
         )
         pod["spec"]["schedulingGates"] = [
             g for g in pod["spec"].get("schedulingGates") or [] if g.get("name") != naming.GANG_GATE

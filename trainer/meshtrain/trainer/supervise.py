@@ -213,7 +213,9 @@ class Supervisor:
         self.incarnation = rendezvous.Incarnation(self.pod, 0, self.identity)
         self.beats = Heartbeats(self)
         self.rank0_finished = False
-        self.devices = device_fault.DeviceFailures()
+        self.devices = device_fault.DeviceFailures(
+            on_node=device_fault.node_error_since(os.environ, time.monotonic(), time.time())
+        )
 
     # -- children ------------------------------------------------------------------------
 
@@ -317,7 +319,9 @@ class Supervisor:
             _say(self.pod, f"the gang was halted with {code}")
             if code == exitcodes.GANG_RESTART:
                 progress.write_failure(
-                    code, "in-place recovery exhausted or impossible (limit, rejoin timeout)"
+                    code,
+                    "in-place recovery exhausted or impossible (limit, rejoin timeout)",
+                    rendezvous.halt_device_ranks(self.store),
                 )
             self.stop_workers(self.args.shutdown_timeout)
         return code
@@ -356,7 +360,10 @@ class Supervisor:
             ):
                 return self.leave_bad_device(rank, local_rank, lost=False, hung=hung)
             if not self.config.in_place:
-                return self.give_up(f"rank {rank} failed ({cause(code)}); in-place recovery is off")
+                return self.give_up(
+                    f"rank {rank} failed ({cause(code)}); in-place recovery is off",
+                    device_error_ranks=(rank,) if code == exitcodes.DEVICE_ERROR or hung else (),
+                )
             failure = rendezvous.Failure("process", cause(code), (rank,), time.time())
             rendezvous.ranks_failed(self.store, (rank,), failure, self.config.in_place_limit)
             if rendezvous.halted(self.store) is None:
@@ -399,7 +406,13 @@ class Supervisor:
         failed, and the round waits for the pod's replacement; a pod hosting the store, or one
         whose gang does not recover in place, halts the gang instead and does not linger (the
         operator rebuilds the gang without the node)."""
-        what = "is gone" if lost else f"failed twice within {device_fault.SUSPECT_WINDOW_S:.0f} s"
+        window = f"{device_fault.SUSPECT_WINDOW_S:.0f} s"
+        what = "is gone" if lost else f"failed twice within {window}"
+        if not lost and self.devices.struck_by_node:
+            what = (
+                f"failed within {window} of a device error of this job on this node before this "
+                f"pod started ({exitcodes.DEVICE_ERROR_AT_ENV})"
+            )
         if hung:
             what += f" (the last time NVML did not answer within {gpu_probe.TIMEOUT_S:.0f} s)"
         whose = (
@@ -422,11 +435,13 @@ class Supervisor:
         progress.write_failure(exitcodes.DEVICE_SUSPECT, why)
         return exitcodes.DEVICE_SUSPECT
 
-    def give_up(self, why: str) -> int:
-        """Halt the gang for a rebuild (75), leaving the reason in the termination log."""
+    def give_up(self, why: str, device_error_ranks: tuple[int, ...] = ()) -> int:
+        """Halt the gang for a rebuild (75), leaving the reason in the termination log, with the
+        ranks whose GPU failed just before (the operator keeps their node's error past the
+        rebuild: ``status.deviceErrors``)."""
         _say(self.pod, f"{why}: exit {exitcodes.GANG_RESTART} (gang rebuild)")
-        rendezvous.halt(self.store, exitcodes.GANG_RESTART)
-        progress.write_failure(exitcodes.GANG_RESTART, why)
+        rendezvous.halt(self.store, exitcodes.GANG_RESTART, device_error_ranks)
+        progress.write_failure(exitcodes.GANG_RESTART, why, device_error_ranks)
         self.stop_workers(self.args.shutdown_timeout)
         return exitcodes.GANG_RESTART
 

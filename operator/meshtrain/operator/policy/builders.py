@@ -10,11 +10,11 @@ of a job".
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from meshtrain.api import exitcodes, loading
 from meshtrain.api import job_dir as api_job_dir
-from meshtrain.api import loading
 from meshtrain.api import spec as api_spec
 from meshtrain.api.spec import object_storage as api_object_storage
 from meshtrain.api.spec import pod as api_pod
@@ -149,7 +149,11 @@ def build_network_policy(
 
 
 def _env(
-    job: identity.JobRef, spec: api_spec.TrainingJobSpec, attempt: int, index: int
+    job: identity.JobRef,
+    spec: api_spec.TrainingJobSpec,
+    attempt: int,
+    index: int,
+    device_error_at: int | None = None,
 ) -> list[dict[str, Any]]:
     p = spec.parallelism
     plain = {
@@ -193,6 +197,8 @@ def _env(
         plain["MESHTRAIN_CP"] = p.context
     if job.created:  # the goodput account's wall time starts with the job (docs/telemetry.md)
         plain["MESHTRAIN_JOB_STARTED_AT"] = job.created
+    if device_error_at is not None:  # the node's first strike, kept past the gang (device_errors)
+        plain[exitcodes.DEVICE_ERROR_AT_ENV] = device_error_at
     env: list[dict[str, Any]] = [{"name": key, "value": str(value)} for key, value in plain.items()]
     env.append(
         {"name": "MESHTRAIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
@@ -345,6 +351,7 @@ def _trainer_container(
     mounts: list[dict[str, Any]],
     restart_rules: bool,
     restart_all: bool = False,
+    device_error_at: int | None = None,
 ) -> dict[str, Any]:
     """The trainer container: the built-in trainer's supervisor (restarted in place by the kubelet
     when it dies, ``kubelet_tier``, where ``restart_rules``), or the job's own command (torchrun,
@@ -356,7 +363,7 @@ def _trainer_container(
         "imagePullPolicy": spec.image_pull_policy,
         "command": run,
         "args": args,
-        "env": _env(job, spec, attempt, index),
+        "env": _env(job, spec, attempt, index, device_error_at),
         "ports": [
             *(
                 {"name": naming.metrics_port_name(r), "containerPort": spec.metrics.port + r}
@@ -417,6 +424,7 @@ def build_pod(
     name: str | None = None,
     restart_rules: bool = True,
     restart_all: bool = False,
+    device_errors: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """Pod ``index`` of gang ``attempt``, gated, pinned to ``node``; ``default_image`` runs when spec.image is empty.
 
@@ -425,7 +433,9 @@ def build_pod(
     scheduler then binds the gang all at once or not at all.  ``name``: a replacement's
     (``naming.replacement_pod_name``), else the gang's own ``<job>-r<attempt>-<index>``.
     ``restart_rules``: the API server accepts container restart rules (``kubelet_tier``);
-    ``restart_all``: and their ``RestartAllContainers`` action.
+    ``restart_all``: and their ``RestartAllContainers`` action.  ``device_errors``: node -> the
+    job's newest device error there within the window (``device_errors.newest_by_node``); the pod
+    on such a node is told it (``exitcodes.DEVICE_ERROR_AT_ENV``).
     """
     name = name or naming.pod_name(job.name, attempt, index)
     volumes, mounts = _volumes(job, spec)
@@ -440,7 +450,8 @@ def build_pod(
     metadata["annotations"] = {naming.ANNOTATION_NODE: node}
     image = spec.image or default_image
     container = _trainer_container(
-        job, spec, attempt, index, image, mounts, restart_rules, restart_all
+        *(job, spec, attempt, index, image, mounts, restart_rules, restart_all),
+        device_error_at=(device_errors or {}).get(node),
     )
     pod_spec: dict[str, Any] = {
         **_named_in_service(job, spec, name),
@@ -664,6 +675,7 @@ def build_pods(
     pod_group: str | None = None,
     restart_rules: bool = True,
     restart_all: bool = False,
+    device_errors: Mapping[str, int] | None = None,
 ) -> list[dict[str, Any]]:
     """The whole gang: pod ``i`` on ``nodes[i]``."""
     if len(nodes) != spec.pods:
@@ -679,6 +691,7 @@ def build_pods(
             pod_group=pod_group,
             restart_rules=restart_rules,
             restart_all=restart_all,
+            device_errors=device_errors,
         )
         for index, node in enumerate(nodes)
     ]

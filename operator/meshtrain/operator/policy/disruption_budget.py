@@ -23,6 +23,7 @@ from typing import Any
 from meshtrain.operator.policy import (
     conditions,
     container_reasons,
+    device_errors,
     excluded_nodes,
     job_actions,
     pod_failure,
@@ -90,6 +91,8 @@ def _reason(pod: pod_state.PodState) -> str:
         return container_reasons.RUNTIME_LOST_REASON
     if pod.left_bad_gpu:
         return conditions.BAD_GPU
+    if pod.device_error_ranks:
+        return device_errors.REASON
     return (
         pod.reason
         or pod.disruption_reason

@@ -20,6 +20,7 @@ from meshtrain.operator.policy import (
     bad_gpus,
     conditions,
     container_reasons,
+    device_errors,
     disruption_budget,
     job_actions,
     job_state,
@@ -117,6 +118,12 @@ def restart_or_fail(
         if budget
         else dict(queue_order.CLEARED)
     )
+    # a device error the gang left on is remembered with its node: the next pod there is told
+    errors = device_errors.recorded(
+        job.status, device_errors.from_pods(job.status, seen.spec, current, seen.now)
+    )
+    if errors is not None:
+        counted["deviceErrors"] = errors
     excluded = bad_gpus.excluded_after({**job.status, **counted}, bad)
     if excluded is not None:
         counted["excludedNodes"] = excluded

@@ -200,6 +200,17 @@ def _crash_looping(pod: pod_state.PodState) -> Failure:
 
 
 def _gang_restart(pod: pod_state.PodState) -> Failure:
+    if pod.device_error_ranks:  # the node's hardware, not the job: a disruption, remembered
+        ranks = ", ".join(str(r) for r in pod.device_error_ranks)
+        return Failure(
+            pod.name,
+            False,
+            f"pod {pod.name}: the GPU of rank(s) {ranks} on node {pod.node} failed with a device "
+            f"error and the trainer did not recover in place (exit code {exitcodes.GANG_RESTART}); "
+            "a second one there within an hour takes it for bad",
+            disruption=True,
+            gave_up=True,
+        )
     return Failure(
         pod.name,
         False,

@@ -77,6 +77,9 @@ class PodState:
     """(exit code, message) a rank left in its termination message when it failed (torchrun hides its code)."""
     termination_message: str | None = None
     """``state.terminated.message`` of the trainer container (rank 0's final progress on success)."""
+    device_error_ranks: tuple[int, ...] = ()
+    """The ranks its failure report says failed with a device error before it left
+    (``exitcodes.reported_device_error_ranks``)."""
     finished_at: datetime.datetime | None = None
     """``state.terminated.finishedAt`` of the trainer container, on its node's clock: when it exited."""
     problem: container_reasons.Problem | None = None
@@ -194,6 +197,7 @@ def read(pod: dict[str, Any]) -> PodState | None:
         nominated=status.get("nominatedNodeName") or None,
         reported=exitcodes.read_failure_report(message) if exit_code else None,
         termination_message=message,
+        device_error_ranks=exitcodes.reported_device_error_ranks(message) if exit_code else (),
         finished_at=finished_at,
         problem=container_reasons.read(pod)
         or container_reasons.restarted_oom(pod, naming.CONTAINER),

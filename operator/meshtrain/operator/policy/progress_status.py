@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.policy import progress_report, recovery_count
+from meshtrain.operator.policy import device_errors, progress_report, recovery_count
 
 
 def _number(value: Any, kind: type) -> Any:
@@ -93,13 +93,18 @@ def recovery_changes(
 ) -> tuple[dict[str, Any], tuple[str, ...]]:
     """``status.recovery`` with the trainer's in-place records of ``report`` not counted yet
     (tiers process and pod; :mod:`recovery_count`), and the message of an Event for each (reason
-    ``recovery_count.RESTARTED``); empty when none is new."""
+    ``recovery_count.RESTARTED``); empty when none is new.  ``status.deviceErrors`` too when a
+    new record's rank failed with a device error (:mod:`device_errors`)."""
     attempt = int(status.get("restarts") or 0)
     records, counts = report.get("recovery"), report.get("recovery_counts")
     counted = recovery_count.from_report(status, attempt, records, spec, now, counts)
     if counted.recovery is None:
         return {}, ()
-    return {"recovery": counted.recovery}, counted.events
+    changes: dict[str, Any] = {"recovery": counted.recovery}
+    errors = device_errors.recorded(status, device_errors.from_records(status, spec, counted.named))
+    if errors is not None:
+        changes["deviceErrors"] = errors
+    return changes, counted.events
 
 
 def _document(text: str) -> dict[str, Any] | None:

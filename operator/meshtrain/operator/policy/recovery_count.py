@@ -84,6 +84,8 @@ class Counted:
     """The message of each Event (reason :data:`RESTARTED`)."""
     attempt_restarts: int = 0
     """In-place restarts of the current gang attempt, the new ones included."""
+    named: tuple[dict[str, Any], ...] = ()
+    """The trainer's records counted this pass (:data:`RECORD_KEYS`), for ``device_errors``."""
 
 
 def _int(value: Any) -> int | None:
@@ -299,6 +301,7 @@ def from_report(
     recovery = book(status, attempt, now)
     listed = records if isinstance(records, list) else []
     restarts, newest, generation = _reported_restarts(listed, recovery["countedGeneration"])
+    named = tuple(r.record for r in restarts)
     total = _int(counted.get("process"))
     if total is not None:
         restarts = _by_count(restarts, total, recovery["countedProcess"], newest)
@@ -314,7 +317,7 @@ def from_report(
     if torchrun is not None:
         updated["countedTorchrun"] = torchrun
     updated["last"] = newest or (by_torchrun[-1].record if by_torchrun else recovery["last"])
-    return Counted(updated, events, updated["attemptRestarts"])
+    return Counted(updated, events, updated["attemptRestarts"], named)
 
 
 def _torchrun_restarts(total: int | None, before: int | None) -> list[Restart]:

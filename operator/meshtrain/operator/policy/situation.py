@@ -160,6 +160,10 @@ class Situation:
             # the ranks that gave up (75) followed the pod that left a bad GPU (with the store,
             # when pod 0 hosted it): that pod's loss is the cause
             found = tuple(f for f in found if not f.gave_up)
+        elif any(p.device_error_ranks for p in self.current):
+            # a device error halted the gang: the pods whose report names it say the cause
+            named = {p.name for p in self.current if p.device_error_ranks}
+            found = tuple(f for f in found if not f.gave_up or f.pod in named)
         if self.store_loss is None or any(p.phase == "Succeeded" for p in self.current):
             return found  # a rank finished: the store may go with its finished gang
         # the ranks that gave up (75) lost the store with it: the store's loss is the cause

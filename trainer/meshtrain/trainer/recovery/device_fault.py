@@ -11,16 +11,24 @@ CUDA context unusable (it is sticky), so the rank's process ends with
 local rank, so the same GPU, failing so again within :data:`SUSPECT_WINDOW_S` is a bad device or
 node (a healthy GPU does so about once in months): its supervisor leaves with
 :data:`exitcodes.DEVICE_SUSPECT`, and the operator replaces the pod on another node, excluding
-this one.  A GPU gone from the bus (:data:`LOST_MARKS`) ends its rank with
-:data:`exitcodes.DEVICE_LOST` and is taken for bad at once: no step replayed on it can succeed.
+this one.  A device error of the job on this node before the pod started (a previous gang's or
+pod's, which the operator keeps in ``status.deviceErrors`` and passes in
+:data:`exitcodes.DEVICE_ERROR_AT_ENV`) counts as the first strike of every GPU of the pod: the
+GPUs a new pod gets need not be the ones that failed, and two uncorrectable errors on one node
+within the window are the node's as much as a GPU's.  A GPU gone from the bus (:data:`LOST_MARKS`)
+ends its rank with :data:`exitcodes.DEVICE_LOST` and is taken for bad at once: no step replayed
+on it can succeed.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
-SUSPECT_WINDOW_S = 3600.0
-"""Two device errors of one GPU within this long take it for bad."""
+from meshtrain.api import exitcodes
+
+SUSPECT_WINDOW_S = exitcodes.DEVICE_SUSPECT_WINDOW_S
+"""Two device errors of one GPU (or of the job on one node) within this long take it for bad."""
 LOST_MARKS = ("gpu is lost", "fallen off the bus")
 """Lower-case texts of a GPU gone: NVML's ``NVML_ERROR_GPU_IS_LOST`` and the driver's Xid 79."""
 HARDWARE_MARKS = ("uncorrectable ecc error", "uncorrectable nvlink error", *LOST_MARKS)
@@ -46,17 +54,42 @@ def is_device_lost(err: BaseException) -> bool:
 
 
 class DeviceFailures:
-    """The newest device error of each local rank (each GPU) of one pod, on its supervisor's clock."""
+    """The newest device error of each local rank (each GPU) of one pod, and the job's newest on
+    the pod's node before it started (``on_node``), on its supervisor's monotonic clock."""
 
-    def __init__(self, window_s: float = SUSPECT_WINDOW_S) -> None:
+    def __init__(self, window_s: float = SUSPECT_WINDOW_S, on_node: float | None = None) -> None:
         self.window_s = window_s
         self.last: dict[int, float] = {}
+        self.on_node = on_node
+        self.struck_by_node = False
+        """The last :meth:`failed` that took a GPU for bad counted the node's earlier error."""
 
     def failed(self, local_rank: int, now: float) -> bool:
         """Note a device error of ``local_rank``; whether its GPU is now taken for bad."""
         before = self.last.get(local_rank)
         self.last[local_rank] = now
-        return before is not None and now - before <= self.window_s
+        own = before is not None and now - before <= self.window_s
+        self.struck_by_node = (
+            not own and self.on_node is not None and now - self.on_node <= self.window_s
+        )
+        return own or self.struck_by_node
+
+
+def node_error_since(
+    environ: Mapping[str, str], monotonic_now: float, wall_now: float
+) -> float | None:
+    """The job's newest device error on this node before the pod started
+    (:data:`exitcodes.DEVICE_ERROR_AT_ENV`, unix seconds) on the monotonic clock of
+    ``monotonic_now``; None when unset or unreadable.  A time ahead of this node's clock (skew
+    between nodes) counts as now."""
+    raw = environ.get(exitcodes.DEVICE_ERROR_AT_ENV, "").strip()
+    try:
+        at = float(raw)
+    except ValueError:
+        return None
+    if not math.isfinite(at) or at <= 0:
+        return None
+    return monotonic_now - max(wall_now - at, 0.0)
 
 
 def which_gpu(local_rank: int, environ: Mapping[str, str]) -> str:

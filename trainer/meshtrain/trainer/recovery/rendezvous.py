@@ -57,6 +57,11 @@ from meshtrain.api.spec import run_policy as api_run_policy
 
 GENERATION = "rdzv/generation"
 HALT = "rdzv/halt"
+HALT_DEVICE_RANKS = "rdzv/haltDeviceRanks"
+"""The ranks whose GPU failed with a device error just before the gang was halted for a rebuild
+(comma-separated), set before :data:`HALT`: every pod's failure report names them, so the operator
+learns their node's error from whichever pod's exit it reads first."""
+MAX_HALT_DEVICE_RANKS_BYTES = 1024
 IN_PLACE = "rdzv/inplace"
 IN_PLACE_AT = "rdzv/inplaceAt"
 STEP = "rdzv/step"
@@ -211,11 +216,24 @@ def halted(store: c10d.Store) -> int | None:
     return None if code < 0 else code
 
 
-def halt(store: c10d.Store, code: int) -> int:
-    """Tell every supervisor and worker to leave with ``code`` (the first code set stays); the code in force."""
+def halt(store: c10d.Store, code: int, device_error_ranks: tuple[int, ...] = ()) -> int:
+    """Tell every supervisor and worker to leave with ``code`` (the first code set stays); the code
+    in force.  ``device_error_ranks``: the ranks whose device error caused it
+    (:func:`halt_device_ranks`)."""
+    if device_error_ranks:
+        text = ",".join(str(r) for r in device_error_ranks)
+        store.compare_set(HALT_DEVICE_RANKS, "", text[:MAX_HALT_DEVICE_RANKS_BYTES])
     in_force = int(store.compare_set(HALT, "", str(code))[:32])
     _changed(store)
     return in_force
+
+
+def halt_device_ranks(store: c10d.Store) -> tuple[int, ...]:
+    """The ranks :func:`halt` was given as the cause (none when it was given none)."""
+    if not store.check([HALT_DEVICE_RANKS]):
+        return ()
+    raw = store.get(HALT_DEVICE_RANKS)[:MAX_HALT_DEVICE_RANKS_BYTES].decode("ascii", "replace")
+    return tuple(int(r) for r in raw.split(",") if r.strip().isdigit())
 
 
 def finish(store: c10d.Store) -> None:

@@ -158,13 +158,14 @@ def write_termination_log(document: Mapping[str, Any]) -> Path | None:
     return _write_termination_log(json.dumps({key: document.get(key) for key in FIELDS}) + "\n")
 
 
-def write_failure(code: int, message: str) -> Path | None:
+def write_failure(code: int, message: str, device_error_ranks: tuple[int, ...] = ()) -> Path | None:
     """Leave the exit code and message of a failed rank in ``$MESHTRAIN_TERMINATION_LOG``.
 
     The pod's exit code is torchrun's (1 for any failed worker); this report
-    keeps the trainer's own code class (:mod:`meshtrain.api.exitcodes`).
+    keeps the trainer's own code class (:mod:`meshtrain.api.exitcodes`), and the ranks whose GPU
+    failed just before, where a supervisor knows them.
     """
-    return _write_termination_log(exitcodes.failure_report(code, message))
+    return _write_termination_log(exitcodes.failure_report(code, message, device_error_ranks))
 
 
 def _write_termination_log(text: str) -> Path | None:

@@ -1,0 +1,163 @@
+"""A GPU's device error outlives its gang: the operator keeps it by node in ``status.deviceErrors``
+and tells the next pod placed there, whose supervisor then takes the GPU for bad at one more.
+
+The failure reports and recovery records are the trainer's own (``exitcodes.failure_report``,
+``recoveries.Recovery.to_json``, as the supervisor and rank 0 write them), read back from what a
+kubelet reports; the supervisor's end of it, the real processes, runs in
+``tests/trainer/test_supervise.py``.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from meshtrain.api import exitcodes
+from meshtrain.operator.policy import (
+    builders,
+    device_errors,
+    lifecycle,
+    pod_state,
+    progress_status,
+)
+from meshtrain.trainer.recovery import device_fault
+from meshtrain.trainer.telemetry import recoveries
+from tests.unit.test_operator_bad_gpu import _pod, _terminated
+from tests.unit.test_operator_lifecycle import at, job, status_of
+from tests.unit.test_operator_pod_loss import spec, three
+
+WINDOW = exitcodes.DEVICE_SUSPECT_WINDOW_S
+
+
+def _gave_up(raw: dict[str, Any], index: int, ranks: tuple[int, ...]) -> pod_state.PodState:
+    """Pod ``index`` whose supervisor exited 75 for a gang rebuild, its report naming ``ranks``
+    (the halt's device error ranks, which every pod's report repeats)."""
+    report = exitcodes.failure_report(
+        exitcodes.GANG_RESTART, "rank 1 failed (exit 78); in-place recovery is off", ranks
+    )
+    container = _terminated(exitcodes.GANG_RESTART, report)
+    container["state"]["terminated"]["finishedAt"] = "2026-01-01T12:00:04Z"
+    return _pod(raw, index, "Failed", container)
+
+
+def _env(pod: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"] if "value" in e}
+
+
+def test_a_gang_rebuilt_after_a_device_error_keeps_its_node_and_tells_the_next_pod_there():
+    """In-place recovery off: rank 1's GPU on n1 failed (78), its supervisor gave up (75) and
+    halted the gang; every pod's report names rank 1.  The rebuild is the node's doing (a
+    disruption: ``backoffLimit`` 0 is not spent), n1 is not excluded for one error, but the next
+    pod on n1 is told when it failed, and its supervisor takes one more for bad."""
+    raw = spec()
+    raw["runPolicy"]["backoffLimit"] = 0
+    pods = [_gave_up(raw, i, (1,)) for i in range(3)]
+    decision = lifecycle.decide(job(raw, **three()), pods, at(5))
+    status = status_of(decision)
+    assert status["restarts"] == 1 and status["disruptionRestarts"] == 1, status
+    assert "excludedNodes" not in status, status
+    [entry] = status["deviceErrors"]
+    assert (entry["node"], entry["time"], entry["ranks"]) == ("n1", "2026-01-01T12:00:04Z", [1])
+
+    state = job(raw, **{**three(), **status})
+    now = at(600)
+    told = device_errors.newest_by_node(state.status, now)
+    gang = builders.build_pods(state.ref, state.spec, 1, ["n2", "n1", "n0"], device_errors=told)
+    envs = [_env(p) for p in gang]
+    assert [exitcodes.DEVICE_ERROR_AT_ENV in e for e in envs] == [False, True, False], envs
+    # the supervisor of the pod on n1 reads it: its first device error is the node's second
+    wall = now.timestamp()
+    since = device_fault.node_error_since(envs[1], 1000.0, wall)
+    assert since is not None and abs((1000.0 - since) - 596) < 1.0, since
+    failures = device_fault.DeviceFailures(on_node=since)
+    assert failures.failed(0, 1000.0) and failures.struck_by_node
+    # the pod on n0 was told nothing: one device error there is its first
+    assert device_fault.node_error_since(envs[2], 1000.0, wall) is None
+    assert not device_fault.DeviceFailures().failed(0, 1000.0)
+
+
+def test_a_gang_without_a_device_error_in_its_reports_spends_its_backoff_and_keeps_nothing():
+    raw = spec()
+    pods = [_gave_up(raw, i, ()) for i in range(3)]
+    status = status_of(lifecycle.decide(job(raw, **three()), pods, at(5)))
+    assert status["restarts"] == 1 and "disruptionRestarts" not in status, status
+    assert "deviceErrors" not in status, status
+
+
+def _record(generation: int, cause: str, ranks: tuple[int, ...], failed_at: float) -> Any:
+    return recoveries.Recovery(
+        generation=generation,
+        tier="process",
+        cause=cause,
+        ranks=ranks,
+        failed_at=failed_at,
+        detected_at=failed_at + 1,
+        rejoined_at=failed_at + 2,
+        restored_at=failed_at + 3,
+        resumed_step=10,
+        source="memory",
+        lost_steps=1,
+    ).to_json()
+
+
+def test_an_in_place_recovery_from_a_device_error_is_kept_by_its_ranks_node_once():
+    """Rank 0's report carries its newest records: one of a device error on rank 2 (pod 2, n2)
+    and one of a SIGKILL on rank 0.  Only the first is a device error; read again, nothing new."""
+    raw = spec()
+    failed_at = at(3).timestamp()
+    report = {
+        "recovery": [
+            _record(1, exitcodes.DEVICE_ERROR_CAUSE, (2,), failed_at),
+            _record(2, "SIGKILL", (0,), failed_at + 5),
+        ],
+        "recovery_counts": {"process": 2},
+    }
+    state = job(raw, **three())
+    changes, _ = progress_status.recovery_changes(state.status, report, state.spec, at(10))
+    [entry] = changes["deviceErrors"]
+    assert (entry["node"], entry["ranks"]) == ("n2", [2]), entry
+    assert entry["time"] == "2026-01-01T12:00:03Z", entry
+    again, _ = progress_status.recovery_changes(
+        {**state.status, **changes}, report, state.spec, at(20)
+    )
+    assert again == {}, again
+
+
+def test_the_memory_is_bounded_and_only_an_error_within_the_window_is_told():
+    now = datetime.datetime(2026, 1, 1, 12, tzinfo=datetime.UTC)
+
+    def entry(node: str, seconds_ago: float) -> dict[str, Any]:
+        when = now - datetime.timedelta(seconds=seconds_ago)
+        return device_errors._entry(node, when, [0], "test")
+
+    many = [entry(f"n{i}", i) for i in range(device_errors.KEPT + 10)]
+    kept = device_errors.recorded({}, many)
+    assert kept is not None and len(kept) == device_errors.KEPT
+    assert kept[-1]["node"] == f"n{device_errors.KEPT + 9}"  # the newest written are kept
+    assert device_errors.recorded({"deviceErrors": kept}, kept[-3:]) is None  # nothing new
+    status = {
+        "deviceErrors": [
+            entry("a", WINDOW - 60),
+            entry("a", 30),
+            entry("b", WINDOW + 60),
+            {"node": "c", "time": "not a time"},
+            "garbage",
+            {"time": "2026-01-01T11:59:00Z"},
+        ]
+    }
+    told = device_errors.newest_by_node(status, now)
+    assert told == {"a": int((now - datetime.timedelta(seconds=30)).timestamp())}, told
+
+
+def test_a_hostile_report_names_no_more_than_the_bound_of_valid_ranks():
+    text = '{"exitCode": 75, "message": "x", "deviceErrorRanks": [1, -2, "3", true, 4.5, 5]}'
+    assert exitcodes.reported_device_error_ranks(text) == (1, 5)
+    flood = exitcodes.failure_report(75, "x", tuple(range(10_000)))
+    assert len(exitcodes.reported_device_error_ranks(flood)) == exitcodes.MAX_DEVICE_ERROR_RANKS
+    for broken in ("", "[]", '{"deviceErrorRanks": {"a": 1}}', "not json"):
+        assert exitcodes.reported_device_error_ranks(broken) == ()
+    for raw in ("", "nan", "inf", "-5", "soon"):
+        assert device_fault.node_error_since({exitcodes.DEVICE_ERROR_AT_ENV: raw}, 1.0, 2.0) is None
+    # a time ahead of this node's clock counts as now, never as a time to come
+    ahead = device_fault.node_error_since({exitcodes.DEVICE_ERROR_AT_ENV: "500"}, 10.0, 100.0)
+    assert ahead == 10.0
