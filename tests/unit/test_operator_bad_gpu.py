@@ -174,14 +174,14 @@ def test_the_others_exit_75_waits_a_moment_for_pod_zeros_own_exit_which_names_th
     others = {"p1": _gave_up(raw, 1, first), "p2": _gave_up(raw, 2, first)}
     early = lifecycle.decide(job(raw, **three()), _gang(raw, **others), at(5))
     assert early.actions == () and early.requeue_after is not None, early
-    assert 0 < early.requeue_after <= failure.STORE_HOST_EXIT_SECONDS, early
+    assert 0 < early.requeue_after <= failure.GANG_EXIT_SECONDS, early
     # pod 0's exit arrives: a disruption by its node, no backoffLimit spent
     left = lifecycle.decide(job(raw, **three()), _gang(raw, p0=_left(raw, 0), **others), at(7))
     status = status_of(left)
     assert status["restarts"] == 1 and status["disruptionRestarts"] == 1, status
     assert [e["node"] for e in status["excludedNodes"]] == ["n0"]
     # pod 0 never exits (or was not the cause): the gang is rebuilt after the wait, as before
-    late = at(4 + failure.STORE_HOST_EXIT_SECONDS + 1)
+    late = at(4 + failure.GANG_EXIT_SECONDS + 1)
     stuck = lifecycle.decide(job(raw, **three()), _gang(raw, **others), late)
     assert condition(stuck, conditions.FAILED) is not None  # backoffLimit 0: the job's own failure
 
@@ -199,19 +199,22 @@ def test_a_pod_whose_trainer_exited_while_a_sidecar_runs_is_no_survivor_to_wait_
     assert status["restarts"] == 1 and [e["node"] for e in status["excludedNodes"]] == ["n2"]
 
 
-def test_no_wait_for_pod_zero_where_it_cannot_name_a_cause():
-    """A store pod of its own (pod 0 hosts nothing), a pod 0 not running yet, and an exit time
-    from a node clock far ahead of the operator's: the 75s are decided at once."""
+def test_no_wait_where_no_running_pod_can_name_a_cause():
+    """A custom trainer (its report is its own say), a pod 0 not running yet, and an exit time
+    from a node clock far ahead of the operator's: the 75s are decided at once.  A store pod of
+    its own changes nothing: pod 0 still runs and may name the cause, so it is waited for."""
     plain = JobBuilder().layout(data=3, gpus_per_node=1).run_policy(backoffLimit=2)
     dedicated = (
         JobBuilder()
         .layout(data=3, gpus_per_node=1)
         .run_policy(backoffLimit=2, recovery={"rendezvousStore": "dedicated"})
     )
+    custom = plain.raw()
+    custom["trainer"] = {"type": "custom", "command": ["python", "train.py"]}
     now = conditions.timestamp(at(4))
     ahead = conditions.timestamp(at(4 + failure.CLOCK_SKEW_SECONDS + 60))
     cases = [
-        (dedicated.raw(), "Running", now),
+        (custom, "Running", now),
         (plain.raw(), "Pending", now),
         (plain.raw(), "Running", ahead),
     ]
@@ -220,3 +223,7 @@ def test_no_wait_for_pod_zero_where_it_cannot_name_a_cause():
         host = _pod(raw, 0, host_phase)
         decision = lifecycle.decide(job(raw, **three()), _gang(raw, p0=host, **others), at(5))
         assert status_of(decision).get("restarts") == 1, (host_phase, finished, decision)
+    raw = dedicated.raw()
+    others = {"p1": _gave_up(raw, 1, now), "p2": _gave_up(raw, 2, now)}
+    waiting = lifecycle.decide(job(raw, **three()), _gang(raw, **others), at(5))
+    assert waiting.actions == () and waiting.requeue_after, waiting

@@ -17,27 +17,48 @@ from meshtrain.operator.policy import (
     builders,
     device_errors,
     lifecycle,
+    naming,
     pod_state,
     progress_status,
 )
 from meshtrain.trainer.recovery import device_fault
 from meshtrain.trainer.telemetry import recoveries
-from tests.unit.test_operator_bad_gpu import _pod, _terminated
+from tests.unit.test_operator_bad_gpu import _terminated
 from tests.unit.test_operator_lifecycle import at, job, status_of
 from tests.unit.test_operator_pod_loss import spec, three
 
 WINDOW = exitcodes.DEVICE_SUSPECT_WINDOW_S
 
 
-def _gave_up(raw: dict[str, Any], index: int, ranks: tuple[int, ...]) -> pod_state.PodState:
-    """Pod ``index`` whose supervisor exited 75 for a gang rebuild, its report naming ``ranks``
-    (the halt's device error ranks, which every pod's report repeats)."""
+def _gave_up(
+    raw: dict[str, Any],
+    index: int,
+    ranks: tuple[int, ...],
+    attempt: int = 0,
+    finished: str = "2026-01-01T12:00:04Z",
+) -> pod_state.PodState:
+    """Pod ``index`` of gang ``attempt`` whose supervisor exited 75 for a gang rebuild, its report
+    naming ``ranks`` (the halt's device error ranks, which every pod's report repeats)."""
     report = exitcodes.failure_report(
         exitcodes.GANG_RESTART, "rank 1 failed (exit 78); in-place recovery is off", ranks
     )
     container = _terminated(exitcodes.GANG_RESTART, report)
-    container["state"]["terminated"]["finishedAt"] = "2026-01-01T12:00:04Z"
-    return _pod(raw, index, "Failed", container)
+    container["state"]["terminated"]["finishedAt"] = finished
+    return _reported(raw, index, attempt, "Failed", container)
+
+
+def _reported(
+    raw: dict[str, Any], index: int, attempt: int, phase: str, trainer: dict[str, Any]
+) -> pod_state.PodState:
+    """Pod ``index`` of gang ``attempt`` on node ``n{index}`` as its kubelet reports it."""
+    state = job(raw)
+    manifest = builders.build_pod(state.ref, state.spec, attempt, index, f"n{index}")
+    manifest["spec"].pop("schedulingGates", None)
+    manifest["spec"]["nodeName"] = f"n{index}"
+    manifest["status"] = {"phase": phase, "containerStatuses": [trainer]}
+    pod = pod_state.read(manifest)
+    assert pod is not None
+    return pod
 
 
 def _env(pod: dict[str, Any]) -> dict[str, str]:
@@ -56,6 +77,9 @@ def test_a_gang_rebuilt_after_a_device_error_keeps_its_node_and_tells_the_next_p
     status = status_of(decision)
     assert status["restarts"] == 1 and status["disruptionRestarts"] == 1, status
     assert "excludedNodes" not in status, status
+    # the node of the failed GPU disrupted the gang, not the nodes of the pods that followed it
+    disrupted = [(e["node"], e["reason"]) for e in status["disruptions"]["nodes"]]
+    assert disrupted == [("n1", device_errors.REASON)], status["disruptions"]
     [entry] = status["deviceErrors"]
     assert (entry["node"], entry["time"], entry["ranks"]) == ("n1", "2026-01-01T12:00:04Z", [1])
 
@@ -74,6 +98,56 @@ def test_a_gang_rebuilt_after_a_device_error_keeps_its_node_and_tells_the_next_p
     # the pod on n0 was told nothing: one device error there is its first
     assert device_fault.node_error_since(envs[2], 1000.0, wall) is None
     assert not device_fault.DeviceFailures().failed(0, 1000.0)
+
+
+def test_a_second_rebuild_for_a_device_error_on_the_same_node_excludes_that_node_alone():
+    """The error kept from the first rebuild and a second one on n1 within the hour (a pod told
+    too late, or a report read after the pod was gone): n1 is excluded as a bad GPU's node, with
+    an Event on it; n0 and n2, whose pods only followed the halt, are neither excluded nor
+    charged."""
+    raw = spec()
+    first = status_of(
+        lifecycle.decide(job(raw, **three()), [_gave_up(raw, i, (1,)) for i in range(3)], at(5))
+    )
+    later = {**first, **three(), "restarts": 1}
+    again = [_gave_up(raw, i, (1,), attempt=1, finished="2026-01-01T12:30:00Z") for i in range(3)]
+    decision = lifecycle.decide(job(raw, **later), again, at(1900))
+    status = status_of(decision)
+    assert [e["node"] for e in status["deviceErrors"]] == ["n1", "n1"], status["deviceErrors"]
+    bad = [(e["node"], e["reason"]) for e in status["excludedNodes"]]
+    assert ("n1", "BadGPU") in bad and {n for n, _ in bad} == {"n1"}, bad
+    [(node, count)] = [(e["node"], e["count"]) for e in status["disruptions"]["nodes"]]
+    assert (node, count) == ("n1", 2), status["disruptions"]
+    told = [a for a in decision.actions if type(a).__name__ == "EmitOnNode"]
+    assert [a.node for a in told] == ["n1"], told  # type: ignore[attr-defined]
+
+
+def test_a_bare_75_waits_for_the_pod_whose_report_names_the_device_error():
+    """A peer halted the gang, bare, before rank 1's supervisor named its device error: pod 0's
+    report names nothing.  While pod 1 still runs its trainer the operator waits; its report
+    then makes the rebuild a disruption with n1's error kept."""
+    raw = spec()
+    raw["runPolicy"]["backoffLimit"] = 0
+    bare = _gave_up(raw, 0, ())
+    trainer = {"name": naming.CONTAINER, "state": {"running": {}}, "restartCount": 0}
+    running = [_reported(raw, i, 0, "Running", trainer) for i in (1, 2)]
+    early = lifecycle.decide(job(raw, **three()), [bare, *running], at(5))
+    assert early.actions == () and early.requeue_after, early
+    named = [bare, _gave_up(raw, 1, (1,)), _gave_up(raw, 2, ())]
+    status = status_of(lifecycle.decide(job(raw, **three()), named, at(7)))
+    assert status["disruptionRestarts"] == 1, status
+    assert [e["node"] for e in status["deviceErrors"]] == ["n1"], status
+
+
+def test_a_custom_programs_report_of_a_device_error_is_its_own_failure():
+    """A custom trainer writes whatever it likes to its termination log: a device error it
+    claims is no disruption and keeps nothing."""
+    raw = spec()
+    raw["trainer"] = {"type": "custom", "command": ["python", "train.py"]}
+    pods = [_gave_up(raw, i, (1,)) for i in range(3)]
+    status = status_of(lifecycle.decide(job(raw, **three()), pods, at(5)))
+    assert status["restarts"] == 1 and "disruptionRestarts" not in status, status
+    assert "deviceErrors" not in status, status
 
 
 def test_a_gang_without_a_device_error_in_its_reports_spends_its_backoff_and_keeps_nothing():
@@ -121,6 +195,19 @@ def test_an_in_place_recovery_from_a_device_error_is_kept_by_its_ranks_node_once
         {**state.status, **changes}, report, state.spec, at(20)
     )
     assert again == {}, again
+    # a round that recovered a device error and another failure together charges no node
+    mixed = {"recovery": [_record(3, f"{exitcodes.DEVICE_ERROR_CAUSE}, exit 1", (0, 2), failed_at)]}
+    merged, _ = progress_status.recovery_changes(
+        {**state.status, **changes}, mixed, state.spec, at(30)
+    )
+    assert "recovery" in merged and "deviceErrors" not in merged, merged
+    # a second one on n2 within the hour, read from the report: n2 is excluded for it
+    second = {"recovery": [_record(3, exitcodes.DEVICE_ERROR_CAUSE, (2,), failed_at + 60)]}
+    twice, _ = progress_status.recovery_changes(
+        {**state.status, **changes}, second, state.spec, at(70)
+    )
+    assert [e["node"] for e in twice["deviceErrors"]] == ["n2", "n2"], twice
+    assert [(e["node"], e["reason"]) for e in twice["excludedNodes"]] == [("n2", "BadGPU")]
 
 
 def test_the_memory_is_bounded_and_only_an_error_within_the_window_is_told():
@@ -131,16 +218,20 @@ def test_the_memory_is_bounded_and_only_an_error_within_the_window_is_told():
         return device_errors._entry(node, when, [0], "test")
 
     many = [entry(f"n{i}", i) for i in range(device_errors.KEPT + 10)]
-    kept = device_errors.recorded({}, many)
+    kept = device_errors.recorded({}, many, now)
     assert kept is not None and len(kept) == device_errors.KEPT
     assert kept[-1]["node"] == f"n{device_errors.KEPT + 9}"  # the newest written are kept
-    assert device_errors.recorded({"deviceErrors": kept}, kept[-3:]) is None  # nothing new
+    assert device_errors.recorded({"deviceErrors": kept}, kept[-3:], now) is None  # nothing new
+    # one written past the window is dropped with the next write
+    old = device_errors.recorded({"deviceErrors": [entry("x", WINDOW + 1)]}, [entry("y", 1)], now)
+    assert [e["node"] for e in old or []] == ["y"], old
     status = {
         "deviceErrors": [
             entry("a", WINDOW - 60),
             entry("a", 30),
             entry("b", WINDOW + 60),
             {"node": "c", "time": "not a time"},
+            {"node": "d", "time": "2026-01-01T11:59:00"},  # no zone: skipped, never a crash
             "garbage",
             {"time": "2026-01-01T11:59:00Z"},
         ]

@@ -210,7 +210,9 @@ class DeviceError(base.StatusModel):
     node: str = Field(description="Node of the GPU that failed.")
     time: str = Field(description="RFC 3339 time it failed.")
     ranks: list[Annotated[int, Field(ge=0, description="A global rank.")]] = Field(
-        default_factory=list, description="The ranks whose GPU failed there (at most 8)."
+        default_factory=list,
+        max_length=8,
+        description="The ranks whose GPU failed there (at most 8).",
     )
     message: str = Field("", description="How the operator learned of it.")
 
@@ -444,6 +446,7 @@ class TrainingJobStatus(base.StatusModel):
     )
     device_errors: list[DeviceError] = Field(
         default_factory=list,
+        max_length=32,
         description="The job's newest 32 device errors, by node, kept across its gangs: a pod placed"
         " on a node within an hour of one there is told its time (MESHTRAIN_DEVICE_ERROR_AT), so that"
         " one more device error takes the GPU for bad at once (exit 79, the node excluded).",

@@ -317,13 +317,15 @@ class Supervisor:
         code = rendezvous.halted(self.store)
         if code is not None:
             _say(self.pod, f"the gang was halted with {code}")
+            codes = self.stop_workers(self.args.shutdown_timeout)
             if code == exitcodes.GANG_RESTART:
-                progress.write_failure(
-                    code,
-                    "in-place recovery exhausted or impossible (limit, rejoin timeout)",
-                    rendezvous.halt_device_ranks(self.store),
+                # a worker of this pod whose GPU failed while a peer halted the gang: named here
+                ranks = [self.pod * self.local + local for local in self.workers]
+                own = tuple(
+                    r for r, c in zip(ranks, codes, strict=True) if c == exitcodes.DEVICE_ERROR
                 )
-            self.stop_workers(self.args.shutdown_timeout)
+                why = "in-place recovery exhausted or impossible (limit, rejoin timeout)"
+                self.report_rebuild(why, own)
         return code
 
     def check_workers(self) -> int | None:
@@ -344,6 +346,8 @@ class Supervisor:
                 _say(self.pod, f"rank {rank} exited {code}: passing it through")
                 if code != exitcodes.STOPPED:  # a stop is agreed by the ranks themselves
                     rendezvous.halt(self.store, code)
+                if code == exitcodes.GANG_RESTART:  # the worker read the halt before this pod did
+                    self.report_rebuild(f"rank {rank} left for a gang rebuild")
                 self.stop_workers(self.args.shutdown_timeout)
                 return code
             _say(self.pod, f"rank {rank} pid {child.pid} failed ({cause(code)})")
@@ -366,6 +370,8 @@ class Supervisor:
                 )
             failure = rendezvous.Failure("process", cause(code), (rank,), time.time())
             rendezvous.ranks_failed(self.store, (rank,), failure, self.config.in_place_limit)
+            if code == exitcodes.DEVICE_ERROR:  # a halt a peer set first names the rank too
+                rendezvous.name_device_ranks(self.store, (rank,))
             if rendezvous.halted(self.store) is None:
                 self.replace(local_rank)
         if len(self.finished) == self.local:
@@ -441,9 +447,21 @@ class Supervisor:
         rebuild: ``status.deviceErrors``)."""
         _say(self.pod, f"{why}: exit {exitcodes.GANG_RESTART} (gang rebuild)")
         rendezvous.halt(self.store, exitcodes.GANG_RESTART, device_error_ranks)
-        progress.write_failure(exitcodes.GANG_RESTART, why, device_error_ranks)
+        self.report_rebuild(why, device_error_ranks)
         self.stop_workers(self.args.shutdown_timeout)
         return exitcodes.GANG_RESTART
+
+    def report_rebuild(self, why: str, own: tuple[int, ...] = ()) -> None:
+        """Leave 75 and ``why`` in the termination log, with the ranks whose device error caused
+        the rebuild: ``own`` and those the halt in force names (the operator keeps their nodes'
+        errors, ``status.deviceErrors``, from whichever pod's exit it reads first)."""
+        try:
+            rendezvous.name_device_ranks(self.store, own)
+            named = rendezvous.halt_device_ranks(self.store)
+        except (RuntimeError, OSError):  # the store left with pod 0: this pod's own say
+            named = ()
+        ranks = tuple(sorted({*own, *named}))
+        progress.write_failure(exitcodes.GANG_RESTART, why, ranks)
 
     def superseded(self) -> int:
         """A newer incarnation of this pod runs: stop the workers, leave the gang alone."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from meshtrain.operator.policy import (
@@ -81,9 +81,10 @@ def told_first(
     return dataclasses.replace(decision, actions=(first, *events, *rest))
 
 
-def describe(pods: Sequence[pod_state.PodState]) -> str:
-    """``; node(s) n1 excluded: a GPU there taken for bad`` for the pods that left a bad GPU."""
-    nodes = sorted({p.node for p in pods if p.left_bad_gpu and p.node})
+def describe(pods: Sequence[pod_state.PodState], also: Iterable[str] = ()) -> str:
+    """``; node(s) n1 excluded: a GPU there taken for bad`` for the pods that left a bad GPU and
+    the nodes ``also`` excluded for one (two device errors of the job there: ``device_errors``)."""
+    nodes = sorted({p.node for p in pods if p.left_bad_gpu and p.node} | set(also))
     if not nodes:
         return ""
     return f"; node(s) {', '.join(nodes)} excluded: a GPU there taken for bad"

@@ -449,9 +449,9 @@ def build_pod(
     metadata = _metadata(job, name, labels)
     metadata["annotations"] = {naming.ANNOTATION_NODE: node}
     image = spec.image or default_image
+    told = (device_errors or {}).get(node)
     container = _trainer_container(
-        *(job, spec, attempt, index, image, mounts, restart_rules, restart_all),
-        device_error_at=(device_errors or {}).get(node),
+        job, spec, attempt, index, image, mounts, restart_rules, restart_all, told
     )
     pod_spec: dict[str, Any] = {
         **_named_in_service(job, spec, name),

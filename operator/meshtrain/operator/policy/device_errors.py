@@ -7,13 +7,15 @@ once per attempt was never taken for bad, and with in-place recovery off, where 
 rebuilds the gang, no GPU ever was.  So the operator keeps each device error it learns of here,
 with its node: from the trainer's in-place recovery records (cause
 ``exitcodes.DEVICE_ERROR_CAUSE``, the rank's pod by the layout, its node by ``status.placement``)
-and from a pod that left for a gang rebuild with a device error in its failure report
-(``exitcodes.reported_device_error``).  Each pod placed on a node with one newer than the window
-is told its time (``exitcodes.DEVICE_ERROR_AT_ENV``, :func:`newest_by_node`); its supervisor
-counts it as the node's first strike, so one more device error there sends the pod away and
-excludes the node (``bad_gpus``).  The unit is the node: a new pod's GPUs need not be the ones
-that failed, and two uncorrectable errors on one node within an hour are the node's as much as
-a GPU's.  Pure.
+and from the failure reports of a gang rebuilt after one (``exitcodes.reported_device_error_ranks``,
+every pod's alike: the halt names the ranks).  Each pod placed on a node with one newer than the
+window is told its time (``exitcodes.DEVICE_ERROR_AT_ENV``, :func:`newest_by_node`); its
+supervisor counts it as the node's first strike, so one more device error there sends the pod
+away and excludes the node (``bad_gpus``).  Two kept on one node within the window exclude it
+too (:func:`twice_within`), whichever way the second came.  The unit is the node: a new pod's
+GPUs need not be the ones that failed, and two uncorrectable errors on one node within an hour
+are the node's as much as a GPU's.  Only the built-in trainer's reports count (a custom
+program's report is its own say: ``situation``).  Pure.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 from meshtrain.api import exitcodes
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.policy import conditions, pod_state
+from meshtrain.operator.policy import conditions, excluded_nodes, pod_state, replacement
 
 REASON = "DeviceError"
 """What disrupted the gang, in ``status.disruptions.nodes``, when a device error made it rebuild."""
@@ -34,12 +36,28 @@ MAX_RANKS = 8
 """Ranks one entry lists."""
 
 
-def _placed(status: Mapping[str, Any]) -> dict[int, str]:
-    return {
-        p["podIndex"]: p["node"]
-        for p in status.get("placement") or []
-        if isinstance(p, Mapping) and isinstance(p.get("podIndex"), int) and p.get("node")
-    }
+def _pod_nodes(
+    status: Mapping[str, Any], pods: Sequence[pod_state.PodState] = ()
+) -> dict[int, str]:
+    """Pod index -> its node: the pods' own where they have one, else ``status.placement``'s."""
+    nodes = {i: str(e["node"]) for i, e in replacement.entries(status).items() if e.get("node")}
+    return {**nodes, **{p.index: p.node for p in pods if p.node}}
+
+
+def ranks_by_node(
+    ranks: Iterable[int],
+    spec: api_spec.TrainingJobSpec,
+    status: Mapping[str, Any],
+    pods: Sequence[pod_state.PodState] = (),
+) -> dict[str, list[int]]:
+    """The nodes of ``ranks`` (by the layout's pod of each, and that pod's node), each with its
+    ranks; a rank whose pod has no known node is left out."""
+    nodes, gpus = _pod_nodes(status, pods), spec.resources.gpus_per_node
+    found: dict[str, list[int]] = {}
+    for rank in ranks:
+        if node := nodes.get(spec.parallelism.layout.pod_of(rank, gpus)):
+            found.setdefault(node, []).append(rank)
+    return found
 
 
 def _entry(node: str, at: datetime.datetime, ranks: Iterable[int], said: str) -> dict[str, Any]:
@@ -51,29 +69,37 @@ def _entry(node: str, at: datetime.datetime, ranks: Iterable[int], said: str) ->
     }
 
 
+def _device_error_only(cause: Any) -> bool:
+    """Whether a record's cause names device errors alone.  A round that recovered several
+    failures joins their causes and ranks (``rendezvous.summary``): mixed with others, which rank
+    failed how is lost, and no node is charged."""
+    causes = [c.strip() for c in cause.split(",")] if isinstance(cause, str) else []
+    return bool(causes) and all(c == exitcodes.DEVICE_ERROR_CAUSE for c in causes)
+
+
 def from_records(
     status: Mapping[str, Any], spec: api_spec.TrainingJobSpec, records: Sequence[Mapping[str, Any]]
 ) -> list[dict[str, Any]]:
     """The entries of the trainer's newly counted in-place records whose cause is a device error
-    (``recovery_count.Counted.named``), one per record and node; a rank whose pod has no recorded
-    node is left out (it cannot be placed again on a node nobody knows)."""
-    nodes = _placed(status)
-    gpus = spec.resources.gpus_per_node
+    (``recovery_count.Counted.named``), one per record and node."""
     added: list[dict[str, Any]] = []
     for record in records:
-        failed_at = record.get("failedAt")
-        if record.get("cause") != exitcodes.DEVICE_ERROR_CAUSE or not isinstance(
-            failed_at, (int, float)
-        ):
+        failed_at, ranks = record.get("failedAt"), record.get("ranks")
+        if not _device_error_only(record.get("cause")) or not isinstance(failed_at, (int, float)):
             continue
         at = datetime.datetime.fromtimestamp(failed_at, datetime.UTC)
-        by_node: dict[str, list[int]] = {}
-        for rank in record.get("ranks") or []:
-            if isinstance(rank, int) and (node := nodes.get(rank // gpus)):
-                by_node.setdefault(node, []).append(rank)
-        said = f"rank(s) recovered in place after a device error (round {record.get('generation')})"
-        added.extend(_entry(node, at, ranks, said) for node, ranks in by_node.items())
+        valid = [r for r in ranks or [] if isinstance(r, int) and not isinstance(r, bool)]
+        said = f"recovered in place after a device error (round {record.get('generation')})"
+        added.extend(
+            _entry(node, at, on_node, said)
+            for node, on_node in ranks_by_node(valid, spec, status).items()
+        )
     return added
+
+
+def reported_ranks(pods: Sequence[pod_state.PodState]) -> set[int]:
+    """The ranks the pods' failure reports name as failed with a device error."""
+    return {rank for pod in pods for rank in pod.device_error_ranks}
 
 
 def from_pods(
@@ -82,27 +108,38 @@ def from_pods(
     pods: Sequence[pod_state.PodState],
     now: datetime.datetime,
 ) -> list[dict[str, Any]]:
-    """The entries of the ranks the gang's failure reports name as failed with a device error
-    (a gang rebuilt after it: in-place recovery off or spent; every pod's report names them,
-    ``rendezvous.HALT_DEVICE_RANKS``), at the first such pod's end where known."""
+    """The entries of the ranks the gang's failure reports name as failed with a device error (a
+    gang rebuilt after one), at the first reporting pod's end where known (its node's clock)."""
     reporters = [p for p in pods if p.device_error_ranks]
     if not reporters:
         return []
     at = min((p.finished_at for p in reporters if p.finished_at), default=now)
-    nodes = {**_placed(status), **{p.index: p.node for p in pods if p.node}}
-    gpus = spec.resources.gpus_per_node
-    by_node: dict[str, set[int]] = {}
-    for pod in reporters:
-        for rank in pod.device_error_ranks:
-            if node := nodes.get(rank // gpus):
-                by_node.setdefault(node, set()).add(rank)
     said = "the gang was rebuilt after a device error"
-    return [_entry(node, at, ranks, said) for node, ranks in by_node.items()]
+    named = ranks_by_node(sorted(reported_ranks(reporters)), spec, status, pods)
+    return [_entry(node, at, ranks, said) for node, ranks in named.items()]
 
 
-def recorded(status: Mapping[str, Any], added: Sequence[dict[str, Any]]) -> list[Any] | None:
-    """``status.deviceErrors`` with ``added`` (the same node and time once), the newest
-    :data:`KEPT`; None when nothing is new."""
+def _time(entry: Any) -> datetime.datetime | None:
+    """An entry's time, None when unreadable or without a zone."""
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("node"), str):
+        return None
+    try:
+        at = conditions.parse_time(entry.get("time"))
+    except (TypeError, ValueError):
+        return None
+    return at if at is not None and at.tzinfo is not None else None
+
+
+def _recent(entry: Any, now: datetime.datetime) -> bool:
+    at = _time(entry)
+    return at is not None and (now - at).total_seconds() <= exitcodes.DEVICE_SUSPECT_WINDOW_S
+
+
+def recorded(
+    status: Mapping[str, Any], added: Sequence[dict[str, Any]], now: datetime.datetime
+) -> list[Any] | None:
+    """``status.deviceErrors`` with ``added`` (the same node and time once), those older than the
+    window dropped, the newest :data:`KEPT`; None when nothing is new."""
     before = [e for e in status.get("deviceErrors") or [] if isinstance(e, Mapping)]
     known = {(e.get("node"), e.get("time")) for e in before}
     new: list[dict[str, Any]] = []
@@ -113,7 +150,7 @@ def recorded(status: Mapping[str, Any], added: Sequence[dict[str, Any]]) -> list
             new.append(entry)
     if not new:
         return None
-    return [*before, *new][-KEPT:]
+    return [e for e in [*before, *new] if _recent(e, now)][-KEPT:]
 
 
 def newest_by_node(status: Mapping[str, Any], now: datetime.datetime) -> dict[str, int]:
@@ -121,13 +158,38 @@ def newest_by_node(status: Mapping[str, Any], now: datetime.datetime) -> dict[st
     ``exitcodes.DEVICE_SUSPECT_WINDOW_S`` of ``now`` (an unreadable time is skipped)."""
     newest: dict[str, int] = {}
     for entry in status.get("deviceErrors") or []:
-        if not isinstance(entry, Mapping) or not isinstance(entry.get("node"), str):
-            continue
-        try:
-            at = conditions.parse_time(entry.get("time"))
-        except (TypeError, ValueError):
-            continue
-        if at is None or (now - at).total_seconds() > exitcodes.DEVICE_SUSPECT_WINDOW_S:
-            continue
-        newest[entry["node"]] = max(int(at.timestamp()), newest.get(entry["node"], 0))
+        at = _time(entry)
+        if at is not None and _recent(entry, now):
+            newest[entry["node"]] = max(int(at.timestamp()), newest.get(entry["node"], 0))
     return newest
+
+
+def twice_within(entries: Any, now: datetime.datetime) -> dict[str, str]:
+    """Node -> what happened, for each node with two device errors of the job at different times
+    within the window of ``now``: as bad as a GPU its supervisor took for bad."""
+    times: dict[str, set[str]] = {}
+    for entry in entries if isinstance(entries, list) else []:
+        if _recent(entry, now):
+            times.setdefault(entry["node"], set()).add(entry["time"])
+    return {
+        node: f"the job's GPUs failed there with device errors at {', '.join(sorted(seen))}"
+        for node, seen in times.items()
+        if len(seen) >= 2
+    }
+
+
+def exclusions(status: Mapping[str, Any], now: datetime.datetime) -> dict[str, dict[str, Any]]:
+    """The ``excludedNodes`` entries (reason ``BadGPU``, as ``bad_gpus.newly_bad`` writes them)
+    of the nodes :func:`twice_within` finds in ``status.deviceErrors`` that are not excluded for
+    a bad GPU yet."""
+    already = excluded_nodes.excluded(excluded_nodes.of_reason(status, conditions.BAD_GPU), now)
+    return {
+        node: {
+            "node": node,
+            "reason": conditions.BAD_GPU,
+            "message": said,
+            "time": conditions.timestamp(now),
+        }
+        for node, said in twice_within(status.get("deviceErrors"), now).items()
+        if node not in already
+    }

@@ -91,8 +91,6 @@ def _reason(pod: pod_state.PodState) -> str:
         return container_reasons.RUNTIME_LOST_REASON
     if pod.left_bad_gpu:
         return conditions.BAD_GPU
-    if pod.device_error_ranks:
-        return device_errors.REASON
     return (
         pod.reason
         or pod.disruption_reason
@@ -128,7 +126,12 @@ def disrupting_nodes(
     """
     found: dict[str, str] = {}
     for pod in _failed_pods(seen, failures):
-        if pod is not None and pod.node and not preempted(pod):
+        if pod is not None and pod.device_error_ranks:  # the node of the failed GPU, not its own
+            named = device_errors.ranks_by_node(
+                pod.device_error_ranks, seen.spec, seen.job.status, seen.current
+            )
+            found.update(dict.fromkeys(named, device_errors.REASON))
+        elif pod is not None and pod.node and not preempted(pod):
             found.setdefault(pod.node, _reason(pod))
     if not found:
         for entry in seen.job.status.get("placement") or []:

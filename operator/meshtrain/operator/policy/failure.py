@@ -24,7 +24,6 @@ from meshtrain.operator.policy import (
     disruption_budget,
     job_actions,
     job_state,
-    kubelet_tier,
     pod_failure,
     pod_state,
     queue_order,
@@ -77,9 +76,18 @@ def restart_or_fail(
     job, current = seen.job, seen.current
     restarts = seen.attempt
     limit = seen.spec.run_policy.backoff_limit
+    # a device error the gang left on is kept with its node: the next pod there is told; a node
+    # with two within the window is as bad as one a supervisor took for bad
+    errors = device_errors.recorded(
+        job.status, device_errors.from_pods(job.status, seen.spec, current, seen.now), seen.now
+    )
+    kept = {"deviceErrors": errors} if errors is not None else {}
     # a node a pod left for a bad GPU is told, and excluded if the gang goes on, whatever else
     # failed with it
-    bad = bad_gpus.newly_bad(job.status, current, seen.now)
+    bad = {
+        **device_errors.exclusions({**job.status, **kept}, seen.now),
+        **bad_gpus.newly_bad(job.status, current, seen.now),
+    }
     told = bad_gpus.node_events(bad)
     permanent = [f for f in failures if f.permanent]
     if permanent:
@@ -118,16 +126,11 @@ def restart_or_fail(
         if budget
         else dict(queue_order.CLEARED)
     )
-    # a device error the gang left on is remembered with its node: the next pod there is told
-    errors = device_errors.recorded(
-        job.status, device_errors.from_pods(job.status, seen.spec, current, seen.now)
-    )
-    if errors is not None:
-        counted["deviceErrors"] = errors
+    counted.update(kept)
     excluded = bad_gpus.excluded_after({**job.status, **counted}, bad)
     if excluded is not None:
         counted["excludedNodes"] = excluded
-        note += bad_gpus.describe(current)
+        note += bad_gpus.describe(current, also=bad)
     reason = next((f.reason for f in failures if f.reason), conditions.GANG_RESTARTING)
     conds = situation.set_conditions(
         seen,
@@ -256,43 +259,46 @@ DEADLINE_EXCEEDED = situation.MAY_RUN.rule(
     _deadline_exceeded,
     owed=False,
 )
-STORE_HOST_EXIT_SECONDS = 20.0
-"""How long the other pods' exit 75 waits, from the last of them, for pod 0's own exit when pod 0
-hosts the rendezvous store and its trainer still runs.  Its supervisor halts the gang when one of
-its GPUs is taken for bad and leaves at once, usually before the others, whose 75 then follows from
-it; its code names the cause (79: a disruption by its node, which the rebuild must leave out)."""
+GANG_EXIT_SECONDS = 20.0
+"""How long pods' exit 75 waits, from the last of them, for the exits of the gang's pods whose
+built-in trainer still runs.  A halt sends every pod away at once, but the pod whose exit names
+the cause may leave last: pod 0 hosting the store halts the gang when one of its GPUs is taken for
+bad (79: a disruption by its node, which the rebuild must leave out), and a peer that lost a rank
+may halt a gang past its in-place budget before the failed rank's own supervisor names its
+device error (``deviceErrorRanks``: a disruption, the node's error kept)."""
 CLOCK_SKEW_SECONDS = 5.0
 """A container's exit time (its node's clock) this far ahead of the operator's is not believed:
 no wait is measured from it."""
 
 
-def _store_host_exit_due(seen: situation.Situation) -> float:
-    """Seconds left to wait for pod 0's exit (0: decide now).
+def _gang_exit_due(seen: situation.Situation) -> float:
+    """Seconds left to wait for the other pods' exits (0: decide now).
 
-    Only while every failure is a pod whose supervisor gave up (75), pod 0 hosts the store and its
-    built-in trainer runs, and the last of those exits is less than
-    :data:`STORE_HOST_EXIT_SECONDS` old.
+    Only while every failure is a pod whose supervisor gave up (75) naming no device error, a pod
+    of the gang still runs the built-in trainer, and the last of those exits is less than
+    :data:`GANG_EXIT_SECONDS` old.
     """
     failures = seen.failures
     if not failures or not all(f.gave_up for f in failures):
         return 0.0
-    if seen.spec.trainer.type == "custom" or not kubelet_tier.hosts_store(seen.spec, 0):
+    if seen.spec.trainer.type == "custom" or any(p.device_error_ranks for p in seen.current):
         return 0.0
-    host = next((p for p in seen.current if p.index == 0), None)
-    if host is None or host.phase != "Running" or host.deleting or host.exit_code is not None:
+    if not any(
+        p.phase == "Running" and not p.deleting and p.exit_code is None for p in seen.current
+    ):
         return 0.0
     failed = {f.pod for f in failures}
     exits = [p.finished_at for p in seen.current if p.name in failed and p.finished_at]
     if not exits or max(exits) > seen.now + datetime.timedelta(seconds=CLOCK_SKEW_SECONDS):
         return 0.0
-    return STORE_HOST_EXIT_SECONDS - (seen.now - max(exits)).total_seconds()
+    return GANG_EXIT_SECONDS - (seen.now - max(exits)).total_seconds()
 
 
-STORE_HOST_EXITING = situation.PLACED.rule(
-    "the other pods gave up (75) while pod 0, the store's host, still runs: wait for its own exit, "
-    "which names the cause, at most STORE_HOST_EXIT_SECONDS after theirs",
-    lambda seen: _store_host_exit_due(seen) > 0,
-    lambda seen: job_actions.Decision((), requeue_after=_store_host_exit_due(seen)),
+GANG_EXITING = situation.PLACED.rule(
+    "pods gave up (75) while others still run their trainer: wait for their own exits, one of "
+    "which may name the cause, at most GANG_EXIT_SECONDS after the last 75",
+    lambda seen: _gang_exit_due(seen) > 0,
+    lambda seen: job_actions.Decision((), requeue_after=_gang_exit_due(seen)),
 )
 GANG_FAILED = situation.PLACED.rule(
     "a pod of the gang failed or vanished: restart the gang, or Failed",

@@ -59,7 +59,7 @@ RULES: tuple[situation.Rule | situation.Note, ...] = (
     spec_change.REBUILD,
     # PLACED: placed for the spec as it is.
     in_place.COUNTED,
-    failure.STORE_HOST_EXITING,
+    failure.GANG_EXITING,
     pod_loss.REPLACE_LOST,
     failure.GANG_FAILED,
     in_place.EXHAUSTED_REBUILD,

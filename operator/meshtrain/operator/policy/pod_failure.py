@@ -205,9 +205,9 @@ def _gang_restart(pod: pod_state.PodState) -> Failure:
         return Failure(
             pod.name,
             False,
-            f"pod {pod.name}: the GPU of rank(s) {ranks} on node {pod.node} failed with a device "
-            f"error and the trainer did not recover in place (exit code {exitcodes.GANG_RESTART}); "
-            "a second one there within an hour takes it for bad",
+            f"pod {pod.name}: the GPU of rank(s) {ranks} failed with a device error and the "
+            f"trainer did not recover in place (exit code {exitcodes.GANG_RESTART}); one more "
+            "on that node within an hour takes it for bad",
             disruption=True,
             gave_up=True,
         )

@@ -19,6 +19,7 @@ from meshtrain.api import spec as api_spec
 from meshtrain.operator.policy import (
     conditions,
     container_reasons,
+    device_errors,
     gang_status,
     identity,
     job_actions,
@@ -130,17 +131,24 @@ class Situation:
         """The pods of the current attempt (the gang), but those a replacement superseded; any other is stale."""
         placed = replacement.entries(self.job.status)
         name, attempt = self.job.ref.name, self.attempt
-        return tuple(
+        gang = tuple(
             p
             for p in self.pods
             if p.attempt == attempt and not replacement.superseded(name, attempt, placed, p)
+        )
+        if self.job.spec is not None and self.job.spec.trainer.type == "builtin":
+            return gang
+        # a custom program's failure report is its own say: no device error of its is the node's
+        return tuple(
+            dataclasses.replace(p, device_error_ranks=()) if p.device_error_ranks else p
+            for p in gang
         )
 
     @functools.cached_property
     def stale(self) -> tuple[pod_state.PodState, ...]:
         """Pods of an earlier attempt, and pods of this one a replacement superseded."""
-        kept = {id(p) for p in self.current}
-        return tuple(p for p in self.pods if id(p) not in kept)
+        kept = {(p.name, p.uid) for p in self.current}
+        return tuple(p for p in self.pods if (p.name, p.uid) not in kept)
 
     @functools.cached_property
     def missing(self) -> tuple[int, ...]:
@@ -160,10 +168,13 @@ class Situation:
             # the ranks that gave up (75) followed the pod that left a bad GPU (with the store,
             # when pod 0 hosted it): that pod's loss is the cause
             found = tuple(f for f in found if not f.gave_up)
-        elif any(p.device_error_ranks for p in self.current):
-            # a device error halted the gang: the pods whose report names it say the cause
-            named = {p.name for p in self.current if p.device_error_ranks}
-            found = tuple(f for f in found if not f.gave_up or f.pod in named)
+        elif named := [p for p in self.current if p.device_error_ranks]:
+            # a device error halted the gang and every pod's report names its ranks: the pods that
+            # ran them say the cause (while none of those has exited, the first that names them)
+            failed, gpus = device_errors.reported_ranks(named), self.spec.resources.gpus_per_node
+            ran = {self.spec.parallelism.layout.pod_of(r, gpus) for r in failed}
+            sayers = {p.name for p in named if p.index in ran} or {named[0].name}
+            found = tuple(f for f in found if not f.gave_up or f.pod in sayers)
         if self.store_loss is None or any(p.phase == "Succeeded" for p in self.current):
             return found  # a rank finished: the store may go with its finished gang
         # the ranks that gave up (75) lost the store with it: the store's loss is the cause

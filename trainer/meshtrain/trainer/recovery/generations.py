@@ -393,7 +393,8 @@ def _generations(
         if outcome != "ready":
             code = rendezvous.halted(store)
             if code is None:  # nobody came in time: the gang is rebuilt
-                code = rendezvous.halt(store, exitcodes.GANG_RESTART)
+                failed = rendezvous.device_error_ranks(store, generation)
+                code = rendezvous.halt(store, exitcodes.GANG_RESTART, failed)
             _say(f"generation {generation}: {outcome}; leaving with {code}")
             return code
         _say(f"joined generation {generation}")

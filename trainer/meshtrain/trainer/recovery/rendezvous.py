@@ -47,7 +47,7 @@ import datetime
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch._C import _distributed_c10d as c10d
@@ -57,11 +57,12 @@ from meshtrain.api.spec import run_policy as api_run_policy
 
 GENERATION = "rdzv/generation"
 HALT = "rdzv/halt"
-HALT_DEVICE_RANKS = "rdzv/haltDeviceRanks"
-"""The ranks whose GPU failed with a device error just before the gang was halted for a rebuild
-(comma-separated), set before :data:`HALT`: every pod's failure report names them, so the operator
-learns their node's error from whichever pod's exit it reads first."""
-MAX_HALT_DEVICE_RANKS_BYTES = 1024
+"""The exit code every process of the gang leaves with, once set (the first set stays), and after
+a ``:`` the ranks whose device error caused it (comma-separated, :func:`halt`): every pod's
+failure report names them, so the operator learns their node's error from whichever pod's exit
+it reads first."""
+MAX_HALT_BYTES = 512
+"""Most bytes of :data:`HALT` written or read (the code and at most about 80 ranks)."""
 IN_PLACE = "rdzv/inplace"
 IN_PLACE_AT = "rdzv/inplaceAt"
 STEP = "rdzv/step"
@@ -212,28 +213,57 @@ def superseded(store: c10d.Store, incarnation: Incarnation) -> bool:
 
 def halted(store: c10d.Store) -> int | None:
     """The exit code the gang was told to leave with, if any."""
-    code = _int(store, HALT, -1)
-    return None if code < 0 else code
+    if not store.check([HALT]):
+        return None
+    return _halt_code(store.get(HALT))
 
 
-def halt(store: c10d.Store, code: int, device_error_ranks: tuple[int, ...] = ()) -> int:
-    """Tell every supervisor and worker to leave with ``code`` (the first code set stays); the code
-    in force.  ``device_error_ranks``: the ranks whose device error caused it
-    (:func:`halt_device_ranks`)."""
+def _halt_code(raw: bytes) -> int | None:
+    try:
+        code = int(raw[:MAX_HALT_BYTES].split(b":", 1)[0])
+    except ValueError:
+        return None
+    return code if code >= 0 else None
+
+
+def halt(store: c10d.Store, code: int, device_error_ranks: Sequence[int] = ()) -> int:
+    """Tell every supervisor and worker to leave with ``code`` (the first code set stays), naming
+    the ranks whose device error caused it in the same write; the code in force."""
+    value = str(code)
     if device_error_ranks:
-        text = ",".join(str(r) for r in device_error_ranks)
-        store.compare_set(HALT_DEVICE_RANKS, "", text[:MAX_HALT_DEVICE_RANKS_BYTES])
-    in_force = int(store.compare_set(HALT, "", str(code))[:32])
+        value = f"{value}:{','.join(str(r) for r in device_error_ranks)}"[:MAX_HALT_BYTES]
+        value = value.rsplit(",", 1)[0] if len(value) == MAX_HALT_BYTES else value
+    in_force = _halt_code(store.compare_set(HALT, "", value))
     _changed(store)
-    return in_force
+    return code if in_force is None else in_force
+
+
+def name_device_ranks(store: c10d.Store, ranks: Sequence[int]) -> None:
+    """Name ``ranks`` in a gang-rebuild halt already in force that names none: a peer that lost
+    the failed rank halted the gang past the in-place budget before the rank's own supervisor
+    reported its device error.  The code stays; one compare-and-set, so a halt naming ranks is
+    never overwritten."""
+    bare = str(exitcodes.GANG_RESTART)
+    if ranks and store.check([HALT]) and store.get(HALT) == bare.encode():
+        named = f"{bare}:{','.join(str(r) for r in ranks)}"[:MAX_HALT_BYTES]
+        store.compare_set(HALT, bare, named)
+        _changed(store)
 
 
 def halt_device_ranks(store: c10d.Store) -> tuple[int, ...]:
-    """The ranks :func:`halt` was given as the cause (none when it was given none)."""
-    if not store.check([HALT_DEVICE_RANKS]):
+    """The ranks the halt in force names as its cause (none when it names none, or none is set)."""
+    if not store.check([HALT]):
         return ()
-    raw = store.get(HALT_DEVICE_RANKS)[:MAX_HALT_DEVICE_RANKS_BYTES].decode("ascii", "replace")
-    return tuple(int(r) for r in raw.split(",") if r.strip().isdigit())
+    _, _, ranks = store.get(HALT)[:MAX_HALT_BYTES].decode("ascii", "replace").partition(":")
+    return tuple(int(r) for r in ranks.split(",") if r.strip().isdigit())
+
+
+def device_error_ranks(store: c10d.Store, round_: int) -> tuple[int, ...]:
+    """The ranks reported failed in round ``round_`` with a device error (exit 78)."""
+    found = failures(store, round_)
+    return tuple(
+        sorted({r for f in found if f.cause == exitcodes.DEVICE_ERROR_CAUSE for r in f.ranks})
+    )
 
 
 def finish(store: c10d.Store) -> None:
@@ -384,7 +414,7 @@ def start_round(
     store.set(IN_PLACE_AT, repr(now))
     store.set(f"rdzv/r{nxt}/detectedAt", repr(time.time()))
     if store.add(IN_PLACE, 1) > limit:
-        halt(store, exitcodes.GANG_RESTART)
+        halt(store, exitcodes.GANG_RESTART, device_error_ranks(store, nxt))
         return False
     return True
 
