@@ -39,6 +39,21 @@ FAULT_STEP = 8
 NODE_RANK = "meshtrain.io/node-rank"
 
 
+def _drilled(name: str, steps: int) -> Any:
+    """The example job as two pods of one "GPU" each (dp2), its checkpoints on a claim of its
+    own, rank 1's GPU failing on node A before step :data:`FAULT_STEP` in every generation."""
+    drill = [
+        {"name": faults.ENV, "value": f"1:{FAULT_STEP}:device"},
+        {"name": faults.NODE_ENV, "value": NODE_A},
+    ]
+    return (
+        _example(name, f"{name}-checkpoints")
+        .layout(data=2, pipeline=1, gpus_per_node=1)
+        .training(steps=steps)
+        .pod(env=drill)
+    )
+
+
 def _bound(pods: Any, count: int) -> dict[str, dict[str, Any]]:
     """Pod name -> newest version, once ``count`` pods of the job are bound to a node."""
     latest: dict[str, dict[str, Any]] = {}
@@ -65,16 +80,7 @@ def test_a_gpu_that_fails_twice_sends_its_pod_to_another_node_and_the_job_succee
 ) -> None:
     paths, _state = sandbox
     name = "bad-gpu"
-    drill = [
-        {"name": faults.ENV, "value": f"1:{FAULT_STEP}:device"},
-        {"name": faults.NODE_ENV, "value": NODE_A},
-    ]
-    job = (
-        _example(name, "bad-gpu-checkpoints")
-        .layout(data=2, pipeline=1, gpus_per_node=1)
-        .training(steps=40)
-        .pod(env=drill)
-    )
+    job = _drilled(name, steps=40)
     example.kubectl(paths, "cordon", NODE_B)
     try:
         with _watched(paths, name) as (pods, watched):
@@ -190,17 +196,7 @@ def test_without_in_place_recovery_a_device_error_outlives_the_gang_and_the_seco
     """
     paths, _state = sandbox
     name = "bad-gpu-rebuilt"
-    drill = [
-        {"name": faults.ENV, "value": f"1:{FAULT_STEP}:device"},
-        {"name": faults.NODE_ENV, "value": NODE_A},
-    ]
-    job = (
-        _example(name, "bad-gpu-rebuilt-checkpoints")
-        .layout(data=2, pipeline=1, gpus_per_node=1)
-        .training(steps=30)
-        .run_policy(backoffLimit=0, recovery={"inPlace": False})
-        .pod(env=drill)
-    )
+    job = _drilled(name, steps=30).run_policy(backoffLimit=0, recovery={"inPlace": False})
     example.kubectl(paths, "cordon", NODE_B)
     try:
         with _watched(paths, name) as (pods, watched):
