@@ -15,6 +15,7 @@ from typing import Any
 from meshtrain.api import exitcodes
 from meshtrain.operator.policy import (
     builders,
+    conditions,
     device_errors,
     lifecycle,
     naming,
@@ -201,13 +202,23 @@ def test_an_in_place_recovery_from_a_device_error_is_kept_by_its_ranks_node_once
         {**state.status, **changes}, mixed, state.spec, at(30)
     )
     assert "recovery" in merged and "deviceErrors" not in merged, merged
-    # a second one on n2 within the hour, read from the report: n2 is excluded for it
+    # a second one on n2 within the hour is kept; the next rebuild judges it (excluding n2),
+    # while the pod lives on under its supervisor's own count by GPU
     second = {"recovery": [_record(3, exitcodes.DEVICE_ERROR_CAUSE, (2,), failed_at + 60)]}
     twice, _ = progress_status.recovery_changes(
         {**state.status, **changes}, second, state.spec, at(70)
     )
     assert [e["node"] for e in twice["deviceErrors"]] == ["n2", "n2"], twice
-    assert [(e["node"], e["reason"]) for e in twice["excludedNodes"]] == [("n2", "BadGPU")]
+    assert "excludedNodes" not in twice, twice
+    assert list(device_errors.twice_within(twice["deviceErrors"], at(70))) == ["n2"]
+    # a record from a node clock running fast, or from no clock at all
+    ahead = {"recovery": [_record(4, exitcodes.DEVICE_ERROR_CAUSE, (1,), at(9000).timestamp())]}
+    kept = {**state.status, **twice}
+    fast, _ = progress_status.recovery_changes(kept, ahead, state.spec, at(80))
+    assert fast["deviceErrors"][-1]["time"] == conditions.timestamp(at(80)), fast
+    never = {"recovery": [_record(5, exitcodes.DEVICE_ERROR_CAUSE, (1,), 1e300)]}
+    none, _ = progress_status.recovery_changes({**kept, **fast}, never, state.spec, at(90))
+    assert "deviceErrors" not in none, none
 
 
 def test_the_memory_is_bounded_and_only_an_error_within_the_window_is_told():

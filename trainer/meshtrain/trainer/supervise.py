@@ -318,14 +318,9 @@ class Supervisor:
         if code is not None:
             _say(self.pod, f"the gang was halted with {code}")
             codes = self.stop_workers(self.args.shutdown_timeout)
-            if code == exitcodes.GANG_RESTART:
-                # a worker of this pod whose GPU failed while a peer halted the gang: named here
-                ranks = [self.pod * self.local + local for local in self.workers]
-                own = tuple(
-                    r for r, c in zip(ranks, codes, strict=True) if c == exitcodes.DEVICE_ERROR
-                )
+            if code == exitcodes.GANG_RESTART:  # a worker of this pod may have failed so meanwhile
                 why = "in-place recovery exhausted or impossible (limit, rejoin timeout)"
-                self.report_rebuild(why, own)
+                self.report_rebuild(why, self.failed(codes))
         return code
 
     def check_workers(self) -> int | None:
@@ -346,9 +341,9 @@ class Supervisor:
                 _say(self.pod, f"rank {rank} exited {code}: passing it through")
                 if code != exitcodes.STOPPED:  # a stop is agreed by the ranks themselves
                     rendezvous.halt(self.store, code)
+                codes = self.stop_workers(self.args.shutdown_timeout)
                 if code == exitcodes.GANG_RESTART:  # the worker read the halt before this pod did
-                    self.report_rebuild(f"rank {rank} left for a gang rebuild")
-                self.stop_workers(self.args.shutdown_timeout)
+                    self.report_rebuild(f"rank {rank} left for a gang rebuild", self.failed(codes))
                 return code
             _say(self.pod, f"rank {rank} pid {child.pid} failed ({cause(code)})")
             if code == exitcodes.DEVICE_LOST:  # gone for good: no count, in place or not
@@ -370,8 +365,8 @@ class Supervisor:
                 )
             failure = rendezvous.Failure("process", cause(code), (rank,), time.time())
             rendezvous.ranks_failed(self.store, (rank,), failure, self.config.in_place_limit)
-            if code == exitcodes.DEVICE_ERROR:  # a halt a peer set first names the rank too
-                rendezvous.name_device_ranks(self.store, (rank,))
+            if code == exitcodes.DEVICE_ERROR and rendezvous.halted(self.store) is not None:
+                rendezvous.name_device_ranks(self.store, (rank,))  # a peer's halt came first
             if rendezvous.halted(self.store) is None:
                 self.replace(local_rank)
         if len(self.finished) == self.local:
@@ -450,6 +445,13 @@ class Supervisor:
         self.report_rebuild(why, device_error_ranks)
         self.stop_workers(self.args.shutdown_timeout)
         return exitcodes.GANG_RESTART
+
+    def failed(self, codes: list[int]) -> tuple[int, ...]:
+        """The ranks of this pod whose workers ended with a device error or a GPU gone, from the
+        codes :meth:`stop_workers` returned (in the order of ``self.workers``)."""
+        ranks = [self.pod * self.local + local for local in self.workers]
+        device = (exitcodes.DEVICE_ERROR, exitcodes.DEVICE_LOST)
+        return tuple(r for r, c in zip(ranks, codes, strict=True) if c in device)
 
     def report_rebuild(self, why: str, own: tuple[int, ...] = ()) -> None:
         """Leave 75 and ``why`` in the termination log, with the ranks whose device error caused

@@ -12,7 +12,9 @@ every pod's alike: the halt names the ranks).  Each pod placed on a node with on
 window is told its time (``exitcodes.DEVICE_ERROR_AT_ENV``, :func:`newest_by_node`); its
 supervisor counts it as the node's first strike, so one more device error there sends the pod
 away and excludes the node (``bad_gpus``).  Two kept on one node within the window exclude it
-too (:func:`twice_within`), whichever way the second came.  The unit is the node: a new pod's
+at the gang's next rebuild too (:func:`twice_within`), whichever way the second came (a pod
+created before the first was known): an operator-side second strike by node, stricter than the
+supervisor's by GPU within one pod's life.  The unit is the node: a new pod's
 GPUs need not be the ones that failed, and two uncorrectable errors on one node within an hour
 are the node's as much as a GPU's.  Only the built-in trainer's reports count (a custom
 program's report is its own say: ``situation``).  Pure.
@@ -78,16 +80,23 @@ def _device_error_only(cause: Any) -> bool:
 
 
 def from_records(
-    status: Mapping[str, Any], spec: api_spec.TrainingJobSpec, records: Sequence[Mapping[str, Any]]
+    status: Mapping[str, Any],
+    spec: api_spec.TrainingJobSpec,
+    records: Sequence[Mapping[str, Any]],
+    now: datetime.datetime,
 ) -> list[dict[str, Any]]:
     """The entries of the trainer's newly counted in-place records whose cause is a device error
-    (``recovery_count.Counted.named``), one per record and node."""
+    (``recovery_count.Counted.named``), one per record and node; a time ahead of ``now`` (a node
+    clock running fast) is taken as ``now``."""
     added: list[dict[str, Any]] = []
     for record in records:
         failed_at, ranks = record.get("failedAt"), record.get("ranks")
         if not _device_error_only(record.get("cause")) or not isinstance(failed_at, (int, float)):
             continue
-        at = datetime.datetime.fromtimestamp(failed_at, datetime.UTC)
+        try:
+            at = min(datetime.datetime.fromtimestamp(failed_at, datetime.UTC), now)
+        except (OverflowError, OSError, ValueError):  # a time no clock reads
+            continue
         valid = [r for r in ranks or [] if isinstance(r, int) and not isinstance(r, bool)]
         said = f"recovered in place after a device error (round {record.get('generation')})"
         added.extend(
@@ -114,6 +123,7 @@ def from_pods(
     if not reporters:
         return []
     at = min((p.finished_at for p in reporters if p.finished_at), default=now)
+    at = min(at, now)  # a node clock running fast: never a time to come
     said = "the gang was rebuilt after a device error"
     named = ranks_by_node(sorted(reported_ranks(reporters)), spec, status, pods)
     return [_entry(node, at, ranks, said) for node, ranks in named.items()]

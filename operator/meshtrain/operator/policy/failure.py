@@ -274,14 +274,14 @@ no wait is measured from it."""
 def _gang_exit_due(seen: situation.Situation) -> float:
     """Seconds left to wait for the other pods' exits (0: decide now).
 
-    Only while every failure is a pod whose supervisor gave up (75) naming no device error, a pod
-    of the gang still runs the built-in trainer, and the last of those exits is less than
-    :data:`GANG_EXIT_SECONDS` old.
+    Only while every failure is a pod whose supervisor gave up (75), a pod of the gang still runs
+    the built-in trainer (it may name a device error of its own, beside one already named), and the
+    last of those exits is less than :data:`GANG_EXIT_SECONDS` old.
     """
     failures = seen.failures
     if not failures or not all(f.gave_up for f in failures):
         return 0.0
-    if seen.spec.trainer.type == "custom" or any(p.device_error_ranks for p in seen.current):
+    if seen.spec.trainer.type == "custom":
         return 0.0
     if not any(
         p.phase == "Running" and not p.deleting and p.exit_code is None for p in seen.current

@@ -14,13 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from meshtrain.api import spec as api_spec
-from meshtrain.operator.policy import (
-    conditions,
-    device_errors,
-    excluded_nodes,
-    progress_report,
-    recovery_count,
-)
+from meshtrain.operator.policy import device_errors, progress_report, recovery_count
 
 
 def _number(value: Any, kind: type) -> Any:
@@ -109,16 +103,10 @@ def recovery_changes(
     changes: dict[str, Any] = {"recovery": counted.recovery}
     if spec.trainer.type != "builtin" or now is None:  # a custom program's records are its own say
         return changes, counted.events
-    added = device_errors.from_records(status, spec, counted.named)
+    added = device_errors.from_records(status, spec, counted.named, now)
     errors = device_errors.recorded(status, added, now)
-    if errors is not None:
+    if errors is not None:  # a second one on a node is judged at the next rebuild (failure)
         changes["deviceErrors"] = errors
-        twice = device_errors.exclusions({**status, **changes}, now)
-        if twice:  # the node of a second one is excluded, as if its supervisor had taken it for bad
-            entries = list(twice.values())
-            changes["excludedNodes"] = excluded_nodes.excluded_after(
-                status, entries, conditions.BAD_GPU
-            )
     return changes, counted.events
 
 

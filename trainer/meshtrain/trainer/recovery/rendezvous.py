@@ -57,12 +57,19 @@ from meshtrain.api.spec import run_policy as api_run_policy
 
 GENERATION = "rdzv/generation"
 HALT = "rdzv/halt"
-"""The exit code every process of the gang leaves with, once set (the first set stays), and after
-a ``:`` the ranks whose device error caused it (comma-separated, :func:`halt`): every pod's
-failure report names them, so the operator learns their node's error from whichever pod's exit
-it reads first."""
-MAX_HALT_BYTES = 512
-"""Most bytes of :data:`HALT` written or read (the code and at most about 80 ranks)."""
+"""The exit code every process of the gang leaves with, once set (the first set stays); a bare
+number, which every release of the trainer reads (a replacement pod may run a newer image than
+its gang)."""
+DEVICE_RANKS = "rdzv/deviceRanks"
+"""The ranks whose GPU failed with a device error in this gang (comma-separated, merged by every
+writer, :func:`name_device_ranks`), written before any halt they cause: every pod's failure report
+of a rebuild names them, so the operator learns their nodes' errors from whichever exit it reads
+first."""
+MAX_DEVICE_RANKS_BYTES = 512
+"""Most bytes of :data:`DEVICE_RANKS` written or read (about 80 ranks)."""
+MERGE_TRIES = 8
+"""Compare-and-set attempts of one merge into :data:`DEVICE_RANKS` before it gives up (each lost
+try means another writer merged meanwhile)."""
 IN_PLACE = "rdzv/inplace"
 IN_PLACE_AT = "rdzv/inplaceAt"
 STEP = "rdzv/step"
@@ -213,49 +220,47 @@ def superseded(store: c10d.Store, incarnation: Incarnation) -> bool:
 
 def halted(store: c10d.Store) -> int | None:
     """The exit code the gang was told to leave with, if any."""
-    if not store.check([HALT]):
-        return None
-    return _halt_code(store.get(HALT))
-
-
-def _halt_code(raw: bytes) -> int | None:
-    try:
-        code = int(raw[:MAX_HALT_BYTES].split(b":", 1)[0])
-    except ValueError:
-        return None
-    return code if code >= 0 else None
+    code = _int(store, HALT, -1)
+    return None if code < 0 else code
 
 
 def halt(store: c10d.Store, code: int, device_error_ranks: Sequence[int] = ()) -> int:
-    """Tell every supervisor and worker to leave with ``code`` (the first code set stays), naming
-    the ranks whose device error caused it in the same write; the code in force."""
-    value = str(code)
-    if device_error_ranks:
-        value = f"{value}:{','.join(str(r) for r in device_error_ranks)}"[:MAX_HALT_BYTES]
-        value = value.rsplit(",", 1)[0] if len(value) == MAX_HALT_BYTES else value
-    in_force = _halt_code(store.compare_set(HALT, "", value))
+    """Tell every supervisor and worker to leave with ``code`` (the first code set stays), the
+    ranks whose device error caused it named first; the code in force."""
+    name_device_ranks(store, device_error_ranks)
+    in_force = int(store.compare_set(HALT, "", str(code))[:32])
     _changed(store)
-    return code if in_force is None else in_force
+    return in_force
+
+
+def _ranks(raw: bytes) -> set[int]:
+    text = raw[:MAX_DEVICE_RANKS_BYTES].decode("ascii", "replace")
+    return {int(r) for r in text.split(",") if r.strip().isdigit()}
 
 
 def name_device_ranks(store: c10d.Store, ranks: Sequence[int]) -> None:
-    """Name ``ranks`` in a gang-rebuild halt already in force that names none: a peer that lost
-    the failed rank halted the gang past the in-place budget before the rank's own supervisor
-    reported its device error.  The code stays; one compare-and-set, so a halt naming ranks is
-    never overwritten."""
-    bare = str(exitcodes.GANG_RESTART)
-    if ranks and store.check([HALT]) and store.get(HALT) == bare.encode():
-        named = f"{bare}:{','.join(str(r) for r in ranks)}"[:MAX_HALT_BYTES]
-        store.compare_set(HALT, bare, named)
-        _changed(store)
+    """Merge ``ranks`` into :data:`DEVICE_RANKS` (one compare-and-set per try, so two pods whose
+    GPUs failed together both stay named), before or after the halt they caused."""
+    for _ in range(MERGE_TRIES if ranks else 0):
+        before = store.get(DEVICE_RANKS) if store.check([DEVICE_RANKS]) else b""
+        merged = _ranks(before) | set(ranks)
+        if merged == _ranks(before):
+            return
+        text = ",".join(str(r) for r in sorted(merged))[:MAX_DEVICE_RANKS_BYTES]
+        text = text.rsplit(",", 1)[0] if len(text) == MAX_DEVICE_RANKS_BYTES else text
+        if (
+            store.compare_set(DEVICE_RANKS, before.decode("ascii", "replace"), text)
+            == text.encode()
+        ):
+            _changed(store)
+            return
 
 
 def halt_device_ranks(store: c10d.Store) -> tuple[int, ...]:
-    """The ranks the halt in force names as its cause (none when it names none, or none is set)."""
-    if not store.check([HALT]):
+    """The ranks named by :func:`name_device_ranks` in this gang (none when none failed so)."""
+    if not store.check([DEVICE_RANKS]):
         return ()
-    _, _, ranks = store.get(HALT)[:MAX_HALT_BYTES].decode("ascii", "replace").partition(":")
-    return tuple(int(r) for r in ranks.split(",") if r.strip().isdigit())
+    return tuple(sorted(_ranks(store.get(DEVICE_RANKS))))
 
 
 def device_error_ranks(store: c10d.Store, round_: int) -> tuple[int, ...]:
