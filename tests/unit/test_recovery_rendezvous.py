@@ -78,7 +78,7 @@ def test_a_halt_past_the_budget_after_a_device_error_names_its_rank_beside_a_bar
     device = failure(3, cause=exitcodes.DEVICE_ERROR_CAUSE)
     assert not rendezvous.start_round(store, 0, device, limit=0)
     assert store.get(rendezvous.HALT) == str(exitcodes.GANG_RESTART).encode()
-    assert rendezvous.halt_device_ranks(store) == (3,)
+    assert rendezvous.named_device_ranks(store) == (3,)
     writers = [
         threading.Thread(target=rendezvous.name_device_ranks, args=(store.clone(), (r,)))
         for r in (5, 9, 3)
@@ -87,16 +87,16 @@ def test_a_halt_past_the_budget_after_a_device_error_names_its_rank_beside_a_bar
         writer.start()
     for writer in writers:
         writer.join(10)
-    assert rendezvous.halt_device_ranks(store) == (3, 5, 9)
+    assert rendezvous.named_device_ranks(store) == (3, 5, 9)
     rendezvous.name_device_ranks(store, ())  # nothing to name: nothing written
-    assert rendezvous.halt_device_ranks(store) == (3, 5, 9)
+    assert rendezvous.named_device_ranks(store) == (3, 5, 9)
 
 
 def test_a_halt_for_another_cause_names_no_rank(store):
     rendezvous.init_generation(store)
     assert not rendezvous.start_round(store, 0, failure(1), limit=0)
     assert rendezvous.halted(store) == exitcodes.GANG_RESTART
-    assert rendezvous.halt_device_ranks(store) == ()
+    assert rendezvous.named_device_ranks(store) == ()
 
 
 def test_after_a_quiet_stretch_the_in_place_budget_starts_again(store, monkeypatch):

@@ -365,10 +365,10 @@ class Supervisor:
                 )
             failure = rendezvous.Failure("process", cause(code), (rank,), time.time())
             rendezvous.ranks_failed(self.store, (rank,), failure, self.config.in_place_limit)
-            if code == exitcodes.DEVICE_ERROR and rendezvous.halted(self.store) is not None:
-                rendezvous.name_device_ranks(self.store, (rank,))  # a peer's halt came first
             if rendezvous.halted(self.store) is None:
                 self.replace(local_rank)
+            elif code == exitcodes.DEVICE_ERROR:  # a peer's halt came first: named beside it
+                rendezvous.name_device_ranks(self.store, (rank,))
         if len(self.finished) == self.local:
             self.pool.close()
             return 0
@@ -459,7 +459,7 @@ class Supervisor:
         errors, ``status.deviceErrors``, from whichever pod's exit it reads first)."""
         try:
             rendezvous.name_device_ranks(self.store, own)
-            named = rendezvous.halt_device_ranks(self.store)
+            named = rendezvous.named_device_ranks(self.store)
         except (RuntimeError, OSError):  # the store left with pod 0: this pod's own say
             named = ()
         ranks = tuple(sorted({*own, *named}))

@@ -8,7 +8,7 @@ rebuilds the gang, no GPU ever was.  So the operator keeps each device error it 
 with its node: from the trainer's in-place recovery records (cause
 ``exitcodes.DEVICE_ERROR_CAUSE``, the rank's pod by the layout, its node by ``status.placement``)
 and from the failure reports of a gang rebuilt after one (``exitcodes.reported_device_error_ranks``,
-every pod's alike: the halt names the ranks).  Each pod placed on a node with one newer than the
+every pod's alike: the rendezvous store names the ranks beside the halt).  Each pod placed on a node with one newer than the
 window is told its time (``exitcodes.DEVICE_ERROR_AT_ENV``, :func:`newest_by_node`); its
 supervisor counts it as the node's first strike, so one more device error there sends the pod
 away and excludes the node (``bad_gpus``).  Two kept on one node within the window exclude it
@@ -140,9 +140,11 @@ def _time(entry: Any) -> datetime.datetime | None:
     return at if at is not None and at.tzinfo is not None else None
 
 
-def _recent(entry: Any, now: datetime.datetime) -> bool:
+def _recent(entry: Any, now: datetime.datetime) -> datetime.datetime | None:
+    """An entry's time when it is within the window of ``now``, else None."""
     at = _time(entry)
-    return at is not None and (now - at).total_seconds() <= exitcodes.DEVICE_SUSPECT_WINDOW_S
+    within = at is not None and (now - at).total_seconds() <= exitcodes.DEVICE_SUSPECT_WINDOW_S
+    return at if within else None
 
 
 def recorded(
@@ -160,7 +162,7 @@ def recorded(
             new.append(entry)
     if not new:
         return None
-    return [e for e in [*before, *new] if _recent(e, now)][-KEPT:]
+    return [e for e in [*before, *new] if _recent(e, now) is not None][-KEPT:]
 
 
 def newest_by_node(status: Mapping[str, Any], now: datetime.datetime) -> dict[str, int]:
@@ -168,8 +170,7 @@ def newest_by_node(status: Mapping[str, Any], now: datetime.datetime) -> dict[st
     ``exitcodes.DEVICE_SUSPECT_WINDOW_S`` of ``now`` (an unreadable time is skipped)."""
     newest: dict[str, int] = {}
     for entry in status.get("deviceErrors") or []:
-        at = _time(entry)
-        if at is not None and _recent(entry, now):
+        if (at := _recent(entry, now)) is not None:
             newest[entry["node"]] = max(int(at.timestamp()), newest.get(entry["node"], 0))
     return newest
 
@@ -179,7 +180,7 @@ def twice_within(entries: Any, now: datetime.datetime) -> dict[str, str]:
     within the window of ``now``: as bad as a GPU its supervisor took for bad."""
     times: dict[str, set[str]] = {}
     for entry in entries if isinstance(entries, list) else []:
-        if _recent(entry, now):
+        if _recent(entry, now) is not None:
             times.setdefault(entry["node"], set()).add(entry["time"])
     return {
         node: f"the job's GPUs failed there with device errors at {', '.join(sorted(seen))}"

@@ -243,8 +243,9 @@ def name_device_ranks(store: c10d.Store, ranks: Sequence[int]) -> None:
     GPUs failed together both stay named), before or after the halt they caused."""
     for _ in range(MERGE_TRIES if ranks else 0):
         before = store.get(DEVICE_RANKS) if store.check([DEVICE_RANKS]) else b""
-        merged = _ranks(before) | set(ranks)
-        if merged == _ranks(before):
+        known = _ranks(before)
+        merged = known | set(ranks)
+        if merged == known:
             return
         text = ",".join(str(r) for r in sorted(merged))[:MAX_DEVICE_RANKS_BYTES]
         text = text.rsplit(",", 1)[0] if len(text) == MAX_DEVICE_RANKS_BYTES else text
@@ -256,7 +257,7 @@ def name_device_ranks(store: c10d.Store, ranks: Sequence[int]) -> None:
             return
 
 
-def halt_device_ranks(store: c10d.Store) -> tuple[int, ...]:
+def named_device_ranks(store: c10d.Store) -> tuple[int, ...]:
     """The ranks named by :func:`name_device_ranks` in this gang (none when none failed so)."""
     if not store.check([DEVICE_RANKS]):
         return ()
