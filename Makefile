@@ -63,11 +63,14 @@ sandbox-status: venv  ## what the sandbox is running
 
 test: venv  ## every test but the sandbox's (unit, trainer, integration, telemetry); CI runs this
 	scripts/bootstrap.sh --no-node
-	$(BIN)/pytest -m "not e2e and not alone and not nvidia_crd and not gang_backends" -n 2 --dist loadfile --durations=30  # each file whole on one worker: docs/development.md, "Suite time"
+	$(BIN)/pytest -m "not e2e and not alone and not nvidia_crd and not gang_backends and not gpu_rehearsal" -n 2 --dist loadfile --durations=30  # each file whole on one worker: docs/development.md, "Suite time"
 	$(BIN)/pytest -m "alone and not e2e" --durations=5  # wall-time comparisons, with the machine to themselves
 
 test-gang-backends: venv  ## the gang backends against real schedulers: scheduler-plugins' Coscheduling as a second scheduler vs none (needs the full bootstrap's build_scheduler_plugins)
 	$(BIN)/pytest -m gang_backends tests/integration/operator/test_operator_gang_backends.py
+
+test-gpu-check: venv  ## rehearse benchmarks/gpu_check.sh's every suite on the CPU (about 7 min); run it before spending a lent device's minutes
+	$(BIN)/pytest -m gpu_rehearsal tests/trainer/test_gpu_check.py
 
 test-unit: venv  ## only the pure unit tests (no processes, no binaries)
 	$(BIN)/pytest tests/unit

@@ -83,7 +83,7 @@ def test_the_gpu_runs_commands_build_valid_jobs(tmp_path: Path) -> None:
     assert not (tmp_path / "out" / "mfu-1.3b-b16").exists(), "a dry run ran something"
 
 
-@pytest.mark.slow
+@pytest.mark.gpu_rehearsal
 @pytest.mark.timeout(3 * REHEARSAL_SECONDS + 120)
 def test_the_gpu_check_rehearsal_runs_every_step(tmp_path: Path) -> None:
     run = _gpu_check("--cpu", tmp_path / "out")
@@ -191,7 +191,7 @@ def _deeper(args):
     return deeper
 
 
-@pytest.mark.slow
+@pytest.mark.gpu_rehearsal
 @pytest.mark.timeout(3 * 480 + 120)
 def test_the_issue35_rehearsal_runs_every_step_and_names_the_device(tmp_path: Path) -> None:
     out = tmp_path / "out"

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,11 +69,13 @@ def _supervisors(
     port: int | None = None,
     only: int | None = None,
     shm: Path | None = None,
+    nodes: Sequence[str] = (),
     **env: str,
 ) -> list[subprocess.Popen[bytes]]:
     """``pods`` supervisors on loopback (just pod ``only`` when given), each in its own session
     (a pod: its children die with it) logging to ``out/sup-<pod>.log``; ``shm``: each pod's
-    in-memory snapshots under ``shm/pod-<pod>`` (its own /dev/shm)."""
+    in-memory snapshots under ``shm/pod-<pod>`` (its own /dev/shm); ``nodes``: the node each pod
+    runs on, by pod index, as the downward API would say (unset: none)."""
     port = port or launch.free_port()
     full = {**supervise.loopback_env(spec, out), **env}
     procs = []
@@ -82,6 +85,7 @@ def _supervisors(
             command += ["--", *trainer]
         log = (out / f"sup-{pod}.log").open("ab")
         own = {memory.ROOT_ENV: str(shm / f"pod-{pod}")} if shm is not None else {}
+        own |= {memory.NODE_ENV: nodes[pod]} if nodes else {}
         procs.append(
             subprocess.Popen(
                 command,
@@ -306,7 +310,8 @@ def test_a_gpu_that_fails_twice_sends_its_pod_away_while_the_other_waits_in_plac
     rank in place and replays step 3 on the same GPU, which fails again.  Pod 1's supervisor takes the
     GPU for bad, stops its ranks and exits 79, saying why in its termination log (the operator
     replaces such a pod alone, on another node); pod 0 keeps its processes and waits at the
-    round; the replacement joins it and the run ends as the unfaulted one."""
+    round; the replacement joins it, on another node, and the run ends as the unfaulted one.
+    The round's record names the node where the GPU failed, not the replacement's."""
     spec, reference = unfaulted
     port = launch.free_port()
     termination = tmp_path / "termination-log"
@@ -317,6 +322,7 @@ def test_a_gpu_that_fails_twice_sends_its_pod_away_while_the_other_waits_in_plac
         2,
         NO_SPARES,
         port=port,
+        nodes=("node-a", "node-b"),
         MESHTRAIN_TERMINATION_LOG=str(termination),
         **{faults.ENV: "3:3:device"},
     )
@@ -325,7 +331,9 @@ def test_a_gpu_that_fails_twice_sends_its_pod_away_while_the_other_waits_in_plac
     assert report is not None and report[0] == exitcodes.DEVICE_SUSPECT, report
     assert "failed twice" in report[1], report
     assert pod0.poll() is None, _logs(tmp_path)  # not ended with the pod: waiting in place
-    [pod1] = _supervisors(spec, tmp_path, 2, 2, NO_SPARES, port=port, only=1)  # a healthy GPU
+    [pod1] = _supervisors(  # a healthy GPU, on another node
+        spec, tmp_path, 2, 2, NO_SPARES, port=port, only=1, nodes=("node-a", "node-c")
+    )
     codes = _wait([pod0, pod1], tmp_path)
     text = _logs(tmp_path)
     assert codes == [0, 0], text
@@ -338,6 +346,7 @@ def test_a_gpu_that_fails_twice_sends_its_pod_away_while_the_other_waits_in_plac
     assert last >= 2 and all(joined[0][r] == joined[last][r] for r in (0, 1)), text
     records = recoveries.read(tmp_path / "logs" / recoveries.FILENAME)
     assert records[-1]["tier"] in ("container", "pod") and records[-1]["ranks"] == [2, 3], records
+    assert records[-1]["nodes"] == [{"node": "node-b", "ranks": [2, 3]}], records
     _same_final_state(tmp_path, reference, tmp_path)
 
 

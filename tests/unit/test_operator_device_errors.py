@@ -10,6 +10,7 @@ kubelet reports; the supervisor's end of it, the real processes, runs in
 from __future__ import annotations
 
 import datetime
+import json
 from typing import Any
 
 from meshtrain.api import exitcodes
@@ -20,6 +21,7 @@ from meshtrain.operator.policy import (
     lifecycle,
     naming,
     pod_state,
+    progress_report,
     progress_status,
 )
 from meshtrain.trainer.recovery import device_fault
@@ -159,7 +161,13 @@ def test_a_gang_without_a_device_error_in_its_reports_spends_its_backoff_and_kee
     assert "deviceErrors" not in status, status
 
 
-def _record(generation: int, cause: str, ranks: tuple[int, ...], failed_at: float) -> Any:
+def _record(
+    generation: int,
+    cause: str,
+    ranks: tuple[int, ...],
+    failed_at: float,
+    nodes: dict[str, tuple[int, ...]] | None = None,
+) -> Any:
     return recoveries.Recovery(
         generation=generation,
         tier="process",
@@ -172,7 +180,32 @@ def _record(generation: int, cause: str, ranks: tuple[int, ...], failed_at: floa
         resumed_step=10,
         source="memory",
         lost_steps=1,
+        nodes=nodes or {},
     ).to_json()
+
+
+def test_a_device_error_is_charged_to_the_node_its_record_names_not_the_pods_replacements():
+    """Rank 2's GPU on n2 failed (78) and was recovered in place; by the time the operator reads
+    the record, pod 2 runs on n9 (it was replaced: ``status.placement`` says n9).  The record, read
+    through the operator's parser of the progress document, names n2 (its supervisor's node), so
+    n2 is charged and n9 is not.  A record of an older trainer, without nodes, has only the
+    placement to go by."""
+    raw = spec()
+    failed_at = at(3).timestamp()
+    moved = three()
+    moved["placement"][2]["node"] = "n9"
+    state = job(raw, **moved)
+    named = _record(1, exitcodes.DEVICE_ERROR_CAUSE, (2,), failed_at, nodes={"n2": (2,)})
+    body = json.dumps({"recovery": [named], "recovery_counts": {"process": 1}}).encode()
+    report = progress_report.parse(body).document
+    assert report is not None and report["recovery"][0]["nodes"] == [{"node": "n2", "ranks": [2]}]
+    changes, _ = progress_status.recovery_changes(state.status, report, state.spec, at(10))
+    assert [(e["node"], e["ranks"]) for e in changes["deviceErrors"]] == [("n2", [2])], changes
+    assert changes["recovery"]["last"]["nodes"] == [{"node": "n2", "ranks": [2]}], changes
+    older = {"recovery": [_record(1, exitcodes.DEVICE_ERROR_CAUSE, (2,), failed_at)]}
+    del older["recovery"][0]["nodes"]  # not written before stop 60
+    fallback, _ = progress_status.recovery_changes(state.status, older, state.spec, at(10))
+    assert [e["node"] for e in fallback["deviceErrors"]] == ["n9"], fallback
 
 
 def test_an_in_place_recovery_from_a_device_error_is_kept_by_its_ranks_node_once():

@@ -10,6 +10,7 @@ import pytest
 from meshtrain.operator.policy import progress_report, progress_status
 from meshtrain.trainer.guards import stragglers as trainer_stragglers
 from meshtrain.trainer.telemetry import progress as trainer_progress
+from meshtrain.trainer.telemetry import recoveries as trainer_recoveries
 
 TRAINER_DOCUMENT = {
     "step": 120,
@@ -226,8 +227,30 @@ def test_the_trainers_largest_document_fits_and_passes():
         for i in range(100)
     )
     doc.straggler_verdict(trainer_stragglers.Verdict(1, (), flags))
+    many = tuple(range(65535, 65435, -1))
+    for generation in range(3):  # the document keeps the newest two
+        record = trainer_recoveries.Recovery(
+            generation=progress_report.MAX_INTEGER - generation,
+            tier="process",
+            cause="x" * 500,
+            ranks=many,
+            failed_at=1.2345678901234567e300,
+            detected_at=1.2345678901234567e300,
+            rejoined_at=1.2345678901234567e300,
+            restored_at=1.2345678901234567e300,
+            resumed_step=progress_report.MAX_INTEGER,
+            source="storage",
+            lost_steps=progress_report.MAX_INTEGER,
+            first_step_at=1.2345678901234567e300,
+            nodes={f"{i}".rjust(n, "n"): many for i, n in enumerate((63, 64, 63, 63))},
+        )
+        counts = dict.fromkeys(progress_report.COUNTED_TIERS, progress_report.MAX_INTEGER)
+        doc.recovered(record.to_json(), counts)
     body = json.dumps(doc.document()).encode()
     assert len(body) <= progress_report.BODY_LIMIT
     assert trainer_progress.MAX_STRAGGLERS == progress_report.MAX_STRAGGLERS
+    assert trainer_recoveries.MAX_NODES == progress_report.MAX_RECORD_NODES
     reading = progress_report.parse(body)
     assert reading.notes == () and len(reading.document["stragglers"]) == 16
+    names = [[len(n["node"]) for n in r["nodes"]] for r in reading.document["recovery"]]
+    assert names == [[63, 63], [63, 63]], reading.document["recovery"]  # the 64 left out

@@ -21,6 +21,7 @@ def record(generation: int) -> recoveries.Recovery:
         source="storage",
         lost_steps=1,
         first_step_at=102.25,
+        nodes={"gpu-7": (3,)},
     )
 
 
@@ -40,6 +41,7 @@ def test_a_record_is_one_camel_case_line(tmp_path):
         "source": "storage",
         "lostSteps": 1,
         "firstStepAt": 102.25,
+        "nodes": [{"node": "gpu-7", "ranks": [3]}],
     }
 
 

@@ -53,6 +53,34 @@ def test_two_observers_of_one_failure_bump_once(store):
     assert summary["detected_at"] >= summary["failed_at"]
 
 
+def test_a_round_names_the_nodes_its_failed_ranks_ran_on_where_their_observers_said(store):
+    """Reports of an observer on the failed ranks' node name it; a peer's report (no node) and an
+    older trainer's report (no key) leave their ranks unnamed; at most two nodes, the lowest ranks'."""
+    rendezvous.init_generation(store)
+    reports = [
+        rendezvous.Failure("process", "exit 78", (5,), time.time(), node="node-c"),
+        rendezvous.Failure("process", "exit 78", (3,), time.time(), node="node-b"),
+        rendezvous.Failure("pod", "GPU failed twice", (2, 3), time.time(), node="node-b"),
+        rendezvous.Failure("pod", "pod lost", (6, 7), time.time()),  # a peer's observation
+        rendezvous.Failure("process", "exit 1", (1,), time.time(), node="node-a"),
+    ]
+    for report in reports:
+        rendezvous.report(store, 1, report)
+    older = b'{"tier": "process", "cause": "exit 1", "ranks": [0], "at": 1.0}'
+    store.set(f"rdzv/r1/fail{store.add('rdzv/r1/nfail', 1)}", older)
+    assert [f.node for f in rendezvous.failures(store, 1)] == [
+        "node-c",
+        "node-b",
+        "node-b",
+        "",
+        "node-a",
+        "",
+    ]
+    summary = rendezvous.summary(store, 1)
+    assert summary["ranks"] == (0, 1, 2, 3, 5, 6, 7)
+    assert summary["nodes"] == {"node-a": (1,), "node-b": (2, 3)}
+
+
 def test_a_rank_that_had_not_joined_the_round_only_reports_to_it(store):
     rendezvous.init_generation(store)
     join(store, 0, 0, 1, timeout_s=1)  # rank 0 joined round 0, rank 1 never did

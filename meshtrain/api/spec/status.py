@@ -254,6 +254,15 @@ class Disruptions(base.StatusModel):
     )
 
 
+class FailedRanksNode(base.StatusModel):
+    """A node failed ranks of an in-place recovery ran on."""
+
+    node: str = Field(max_length=253, description="Node name.")
+    ranks: list[Annotated[int, Field(ge=0, description="A global rank.")]] = Field(
+        default_factory=list, max_length=16, description="The failed ranks that ran there."
+    )
+
+
 class RecoveryRecord(base.StatusModel):
     """One in-place recovery: the trainer's record (``recoveries.jsonl``), or a container restart the kubelet made."""
 
@@ -283,6 +292,11 @@ class RecoveryRecord(base.StatusModel):
     )
     lost_steps: int | None = Field(None, description="Steps computed again.")
     first_step_at: float | None = Field(None, description="Unix time the next step completed.")
+    nodes: list[FailedRanksNode] | None = Field(
+        None,
+        max_length=2,
+        description="Where the failed ranks ran, as their pods' supervisors said (at most 2 nodes).",
+    )
 
 
 class RecoveryTiers(base.StatusModel):

@@ -49,7 +49,7 @@ from meshtrain.trainer.recovery import (
     stall,
     store_host,
 )
-from meshtrain.trainer.telemetry import progress
+from meshtrain.trainer.telemetry import context, progress
 
 POLL_S = 0.1
 NCCL_ASYNC_ERROR_HANDLING = "0"
@@ -216,6 +216,13 @@ class Supervisor:
         self.devices = device_fault.DeviceFailures(
             on_node=device_fault.node_error_since(os.environ, time.monotonic(), time.time())
         )
+        # This pod's node (downward API; empty outside Kubernetes), named in the failures of its
+        # own ranks: a record keeps it after the pod is replaced elsewhere.
+        self.node = os.environ.get(context.NODE_ENV, "")
+
+    def failure(self, tier: str, cause: str, ranks: tuple[int, ...]) -> rendezvous.Failure:
+        """A failure of this pod's own ``ranks`` in this incarnation, observed now, on this node."""
+        return rendezvous.Failure(tier, cause, ranks, time.time(), node=self.node)
 
     # -- children ------------------------------------------------------------------------
 
@@ -278,6 +285,7 @@ class Supervisor:
         self.incarnation = taken
         if self.incarnation.number > 1:
             ranks = tuple(range(self.pod * self.local, (self.pod + 1) * self.local))
+            # no node: the ranks failed in an earlier incarnation, which may have run elsewhere
             failure = rendezvous.Failure("container", "container restarted", ranks, time.time())
             _say(self.pod, "restarted: joining the next round")
             rendezvous.ranks_failed(self.store, ranks, failure, self.config.in_place_limit)
@@ -363,7 +371,7 @@ class Supervisor:
                     f"rank {rank} failed ({cause(code)}); in-place recovery is off",
                     device_error_ranks=(rank,) if code == exitcodes.DEVICE_ERROR or hung else (),
                 )
-            failure = rendezvous.Failure("process", cause(code), (rank,), time.time())
+            failure = self.failure("process", cause(code), (rank,))
             rendezvous.ranks_failed(self.store, (rank,), failure, self.config.in_place_limit)
             if rendezvous.halted(self.store) is None:
                 self.replace(local_rank)
@@ -431,7 +439,7 @@ class Supervisor:
         else:
             ranks = tuple(range(self.pod * self.local, (self.pod + 1) * self.local))
             reason = "GPU lost" if lost else "GPU failed twice"
-            failure = rendezvous.Failure("pod", reason, ranks, time.time())
+            failure = self.failure("pod", reason, ranks)
             rendezvous.ranks_failed(self.store, ranks, failure, self.config.in_place_limit)
         progress.write_failure(exitcodes.DEVICE_SUSPECT, why)
         return exitcodes.DEVICE_SUSPECT

@@ -6,7 +6,8 @@ counts in its own memory, which a gang rebuild or a replaced pod starts again: a
 once per attempt was never taken for bad, and with in-place recovery off, where every failure
 rebuilds the gang, no GPU ever was.  So the operator keeps each device error it learns of here,
 with its node: from the trainer's in-place recovery records (cause
-``exitcodes.DEVICE_ERROR_CAUSE``, the rank's pod by the layout, its node by ``status.placement``)
+``exitcodes.DEVICE_ERROR_CAUSE``; the node the record names for the rank, which its pod's
+supervisor reported, else the rank's pod by the layout and its node by ``status.placement``)
 and from the failure reports of a gang rebuilt after one (``exitcodes.reported_device_error_ranks``,
 every pod's alike: the rendezvous store names the ranks beside the halt).  Each pod placed on a node with one newer than the
 window is told its time (``exitcodes.DEVICE_ERROR_AT_ENV``, :func:`newest_by_node`); its
@@ -101,9 +102,33 @@ def from_records(
         said = f"recovered in place after a device error (round {record.get('generation')})"
         added.extend(
             _entry(node, at, on_node, said)
-            for node, on_node in ranks_by_node(valid, spec, status).items()
+            for node, on_node in _record_ranks_by_node(record, valid, spec, status).items()
         )
     return added
+
+
+def _record_ranks_by_node(
+    record: Mapping[str, Any],
+    ranks: Sequence[int],
+    spec: api_spec.TrainingJobSpec,
+    status: Mapping[str, Any],
+) -> dict[str, list[int]]:
+    """The nodes of a record's failed ``ranks``: the one the record names for a rank (its pod's
+    supervisor said where it ran), else its pod's node now (``status.placement``), which is
+    another when the pod was replaced after the failure and before this read."""
+    said: dict[int, str] = {}
+    for entry in record.get("nodes") or []:
+        if isinstance(entry, Mapping) and isinstance(entry.get("node"), str) and entry["node"]:
+            for rank in entry.get("ranks") or []:
+                said.setdefault(rank, entry["node"])
+    found: dict[str, list[int]] = {}
+    for rank in ranks:
+        if rank in said:
+            found.setdefault(said[rank], []).append(rank)
+    unnamed = [r for r in ranks if r not in said]
+    for node, on_node in ranks_by_node(unnamed, spec, status).items():
+        found.setdefault(node, []).extend(on_node)
+    return found
 
 
 def reported_ranks(pods: Sequence[pod_state.PodState]) -> set[int]:

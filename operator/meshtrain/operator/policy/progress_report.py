@@ -20,11 +20,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 BODY_LIMIT = 4096
-"""Most bytes of one document: the trainer's largest is under 2.2 KiB (docs/operator.md, "Progress")."""
+"""Most bytes of one document: the trainer's largest is 3,936 bytes (docs/telemetry.md)."""
 
 MAX_NESTING = 8
-"""Arrays and objects inside one another a document may open (the trainer's go 4 deep:
-``{"recovery": [{"ranks": [...]}]}``)."""
+"""Arrays and objects inside one another a document may open (the trainer's go 5 deep:
+``{"recovery": [{"nodes": [{"ranks": [...]}]}]}``)."""
 
 MAX_INTEGER = 2**53 - 1
 """Largest integer a field may hold: JSON's exact range, well inside the status' int64."""
@@ -144,6 +144,10 @@ MAX_RECOVERIES = 4
 """Most recovery records of ``recovery`` (the trainer sends its newest 2)."""
 MAX_CAUSE = 120
 """Longest ``cause`` of a recovery record."""
+MAX_RECORD_NODES = 2
+"""Most ``nodes`` entries of a recovery record (the trainer's ``recoveries.MAX_NODES``)."""
+MAX_NODE_NAME = 253
+"""Longest node name (a Kubernetes object name's limit)."""
 RECOVERY_TIERS = ("process", "container", "pod", "torchrun", "gang")
 RECOVERY_SOURCES = ("memory", "storage", "none")
 _RECORD_NUMBERS = {
@@ -179,7 +183,30 @@ def _recovery_record(value: Any) -> dict[str, Any] | None:
         if value["source"] not in RECOVERY_SOURCES:
             return None
         entry["source"] = value["source"]
+    nodes = _record_nodes(value.get("nodes"))
+    if nodes:
+        entry["nodes"] = nodes
     return entry
+
+
+def _record_nodes(value: Any) -> list[dict[str, Any]]:
+    """A record's ``nodes`` (where its failed ranks ran, as their pods' supervisors said): at most
+    :data:`MAX_RECORD_NODES` entries of a node name and its ranks; malformed entries are left out
+    (the operator then finds those ranks' nodes from the placement)."""
+    if not isinstance(value, list):
+        return []
+    found = []
+    for item in value[:MAX_RECORD_NODES]:
+        node = item.get("node") if isinstance(item, Mapping) else None
+        ranks = item.get("ranks") if isinstance(item, Mapping) else None
+        if not isinstance(node, str) or not 0 < len(node) <= MAX_NODE_NAME:
+            continue
+        if not isinstance(ranks, list) or len(ranks) > MAX_STRAGGLERS:
+            continue
+        valid = [r for r in (_integer(r) for r in ranks) if r is not None]
+        if valid:
+            found.append({"node": node, "ranks": valid})
+    return found
 
 
 def _recovery_list(value: Any) -> list[dict[str, Any]] | None:

@@ -49,6 +49,7 @@ RECORD_KEYS = (
     "source",
     "lostSteps",
     "firstStepAt",
+    "nodes",
 )
 """Keys of ``status.recovery.last``: every one is written (null when unknown), so a merge patch
 leaves nothing of the record before."""

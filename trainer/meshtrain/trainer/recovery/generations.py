@@ -278,6 +278,7 @@ class Session:
             tier=merged["tier"],
             cause=merged["cause"],
             ranks=merged["ranks"],
+            nodes=merged["nodes"],
             failed_at=merged["failed_at"],
             detected_at=merged["detected_at"],
             rejoined_at=self.rejoined_at,

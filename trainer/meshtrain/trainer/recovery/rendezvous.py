@@ -92,6 +92,10 @@ MAX_VALUE = 4096
 """Bytes of a report read back (the store is shared by every pod: bound what is trusted)."""
 MAX_UID = 64
 """Bytes of a pod UID kept (a Kubernetes UID has 36)."""
+MAX_NODE_NAME = 253
+"""Longest node name kept (a Kubernetes object name's limit)."""
+MAX_SUMMARY_NODES = 2
+"""Nodes a round's summary lists (those of the lowest failed ranks)."""
 POLL_S = 0.05
 TIER_ORDER = ("process", "container", "pod", "gang")
 
@@ -108,28 +112,30 @@ class Failure:
     """The global ranks lost (empty: unknown to the observer, e.g. a peer's collective failed)."""
     failed_at: float
     """Unix time of the observation."""
+    node: str = ""
+    """The node ``ranks`` ran on, when the observer runs there too (their pod's supervisor, from
+    ``$MESHTRAIN_NODE_NAME``); empty when unknown (a peer's report, or outside Kubernetes).  It
+    stays true after the pod is replaced, where the pod's current node no longer is."""
 
     def dumps(self) -> str:
+        value = {"tier": self.tier, "cause": self.cause, "ranks": list(self.ranks)}
         return json.dumps(
-            {
-                "tier": self.tier,
-                "cause": self.cause,
-                "ranks": list(self.ranks),
-                "at": self.failed_at,
-            }
+            {**value, "at": self.failed_at, **({"node": self.node} if self.node else {})}
         )
 
     @staticmethod
     def loads(raw: bytes) -> Failure | None:
         try:
             value = json.loads(raw[:MAX_VALUE])
+            node = value.get("node", "")  # absent from older trainers' reports
             return Failure(
                 tier=str(value["tier"]) if value["tier"] in TIER_ORDER else "process",
                 cause=str(value["cause"])[:200],
                 ranks=tuple(int(r) for r in value["ranks"][:MAX_FAILURES]),
                 failed_at=float(value["at"]),
+                node=node[:MAX_NODE_NAME] if isinstance(node, str) else "",
             )
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             return None
 
 
@@ -536,7 +542,8 @@ def counted(store: c10d.Store, round_: int, tier: str) -> dict[str, int]:
 
 
 def summary(store: c10d.Store, round_: int) -> dict[str, Any]:
-    """What round ``round_`` recovered from, merged: tier (the widest), cause, ranks, failedAt, detectedAt."""
+    """What round ``round_`` recovered from, merged: tier (the widest), cause, ranks, their nodes
+    where known, failedAt, detectedAt."""
     found = failures(store, round_)
     now = time.time()
     failed_at = min((f.failed_at for f in found), default=now)
@@ -546,6 +553,18 @@ def summary(store: c10d.Store, round_: int) -> dict[str, Any]:
         "tier": max(tiers, key=TIER_ORDER.index),
         "cause": ", ".join(causes) or "unknown",
         "ranks": tuple(sorted({r for f in found for r in f.ranks})),
+        "nodes": failed_nodes(found),
         "failed_at": failed_at,
         "detected_at": detected_at(store, round_) or failed_at,
     }
+
+
+def failed_nodes(found: Sequence[Failure]) -> dict[str, tuple[int, ...]]:
+    """The nodes of the failed ranks whose observers said where they ran, each with its ranks
+    (at most :data:`MAX_SUMMARY_NODES`, those of the lowest ranks)."""
+    by_node: dict[str, set[int]] = {}
+    for failure in found:
+        if failure.node and failure.ranks:
+            by_node.setdefault(failure.node, set()).update(failure.ranks)
+    kept = sorted(by_node.items(), key=lambda item: min(item[1]))[:MAX_SUMMARY_NODES]
+    return {node: tuple(sorted(ranks)) for node, ranks in kept}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,6 +33,14 @@ MAX_RANKS = 16
 """Failed ranks a record lists (the lowest); ``failedRanks`` counts them all."""
 MAX_CAUSE = 120
 """Characters of ``cause`` kept."""
+MAX_NODES = 2
+"""Nodes a record lists (``nodes``), each with at most :data:`MAX_NODE_RANKS` ranks and a name of
+at most :data:`MAX_NODE_NAME` characters: with :data:`RECENT` records the progress document stays
+under its 4 KiB (``tests/unit/test_progress_report.py``); a rank left out has its node found by
+the operator from the placement, as before records named nodes."""
+MAX_NODE_RANKS = 4
+MAX_NODE_NAME = 63
+"""Longest node name a record carries (cloud providers' names are shorter; a longer one is left out)."""
 
 Tier = Literal["process", "container", "pod", "gang"]
 Source = Literal["memory", "storage", "none"]
@@ -70,6 +79,10 @@ class Recovery:
     """Steps done after ``resumed_step`` before the failure, which are computed again."""
     first_step_at: float | None = None
     """When the first step after the recovery completed (None until it did)."""
+    nodes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    """The nodes the failed ranks ran on, each with its ranks, where their pods' supervisors said
+    (at most :data:`MAX_NODES`); the operator charges a device error to the node named here
+    rather than to the one the rank's pod runs on when it reads the record (a replacement's)."""
 
     def to_json(self) -> dict[str, Any]:
         """The record's JSON object (camelCase keys)."""
@@ -86,6 +99,11 @@ class Recovery:
             "source": self.source,
             "lostSteps": self.lost_steps,
             "firstStepAt": None if self.first_step_at is None else round(self.first_step_at, 3),
+            "nodes": [
+                {"node": node, "ranks": list(ranks[:MAX_NODE_RANKS])}
+                for node, ranks in self.nodes.items()
+                if len(node) <= MAX_NODE_NAME
+            ][:MAX_NODES],
         }
 
 
