@@ -88,6 +88,8 @@ MAX_BUCKET_MB = 65_536.0
 MAX_STRING_LENGTH = 4_096
 """Any string the spec does not bound more tightly (paths, commands, annotation values)."""
 
+MAX_NODE_NAME_LENGTH = 253
+"""A Node's name (a DNS subdomain): longer is no node's, and is dropped rather than cut."""
 MAX_POD_NAME_LENGTH = 63
 """A pod name that is also its hostname (a DNS label): a replacement's ``<job>-r<a>-<i>-p<n>``."""
 

@@ -30,7 +30,7 @@ from meshtrain.trainer.checkpointing import memory, snapshot_file, store
 from meshtrain.trainer.guards import faults
 from meshtrain.trainer.parallel import mesh
 from meshtrain.trainer.recovery import generations, rendezvous, stall
-from meshtrain.trainer.telemetry import goodput, recoveries, steplog
+from meshtrain.trainer.telemetry import context, goodput, recoveries, steplog
 from tests.builders import JobBuilder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,7 +85,7 @@ def _supervisors(
             command += ["--", *trainer]
         log = (out / f"sup-{pod}.log").open("ab")
         own = {memory.ROOT_ENV: str(shm / f"pod-{pod}")} if shm is not None else {}
-        own |= {memory.NODE_ENV: nodes[pod]} if nodes else {}
+        own |= {context.NODE_ENV: nodes[pod]} if nodes else {}
         procs.append(
             subprocess.Popen(
                 command,

@@ -13,6 +13,8 @@ import datetime
 import json
 from typing import Any
 
+import pytest
+
 from meshtrain.api import exitcodes
 from meshtrain.operator.policy import (
     builders,
@@ -23,9 +25,11 @@ from meshtrain.operator.policy import (
     pod_state,
     progress_report,
     progress_status,
+    replacement,
 )
 from meshtrain.trainer.recovery import device_fault
 from meshtrain.trainer.telemetry import recoveries
+from tests.builders import JobBuilder
 from tests.unit.test_operator_bad_gpu import _terminated
 from tests.unit.test_operator_lifecycle import at, job, status_of
 from tests.unit.test_operator_pod_loss import spec, three
@@ -184,28 +188,60 @@ def _record(
     ).to_json()
 
 
-def test_a_device_error_is_charged_to_the_node_its_record_names_not_the_pods_replacements():
-    """Rank 2's GPU on n2 failed (78) and was recovered in place; by the time the operator reads
-    the record, pod 2 runs on n9 (it was replaced: ``status.placement`` says n9).  The record, read
-    through the operator's parser of the progress document, names n2 (its supervisor's node), so
-    n2 is charged and n9 is not.  A record of an older trainer, without nodes, has only the
-    placement to go by."""
-    raw = spec()
+@pytest.mark.parametrize("gpus", [1, 8])
+def test_a_device_error_is_charged_to_the_node_its_record_names_not_the_pods_replacements(gpus):
+    """Every rank of pod 2 failed with a device error on n2 and was recovered in place; by the
+    time the operator reads the record, pod 2 was replaced on n9 (the operator's own replacement
+    write keeps n2 as its ``previousNode``).  The record, read through the operator's parser of
+    the progress document, names n2 for the ranks its supervisor reported (at most 4 of them):
+    n2 is charged for every rank of the pod, n9 for none.  A name the job never held for that pod
+    (another tenant's node, or one of its own for another pod) is not believed, nor a record of an
+    older trainer without nodes: those go by the placement, as before records named nodes."""
+    raw = JobBuilder().layout(data=3 * gpus, gpus_per_node=gpus).run_policy(backoffLimit=1).raw()
+    lost = replacement.Replaced(2, "pod-2", "pod deleted", "pod-2-again", "n9", spare=False)
+    moved = replacement.status_changes(job(raw, **three()), [lost], gpus, at(5))
+    assert moved["placement"][2]["previousNode"] == "n2", moved
+    state = job(raw, **{**three(), **moved})
     failed_at = at(3).timestamp()
-    moved = three()
-    moved["placement"][2]["node"] = "n9"
-    state = job(raw, **moved)
-    named = _record(1, exitcodes.DEVICE_ERROR_CAUSE, (2,), failed_at, nodes={"n2": (2,)})
-    body = json.dumps({"recovery": [named], "recovery_counts": {"process": 1}}).encode()
-    report = progress_report.parse(body).document
-    assert report is not None and report["recovery"][0]["nodes"] == [{"node": "n2", "ranks": [2]}]
-    changes, _ = progress_status.recovery_changes(state.status, report, state.spec, at(10))
-    assert [(e["node"], e["ranks"]) for e in changes["deviceErrors"]] == [("n2", [2])], changes
-    assert changes["recovery"]["last"]["nodes"] == [{"node": "n2", "ranks": [2]}], changes
-    older = {"recovery": [_record(1, exitcodes.DEVICE_ERROR_CAUSE, (2,), failed_at)]}
-    del older["recovery"][0]["nodes"]  # not written before stop 60
-    fallback, _ = progress_status.recovery_changes(state.status, older, state.spec, at(10))
-    assert [e["node"] for e in fallback["deviceErrors"]] == ["n9"], fallback
+    pod2 = tuple(range(2 * gpus, 3 * gpus))
+
+    def charged(nodes: dict[str, tuple[int, ...]] | None) -> list[tuple[str, list[int]]]:
+        record = _record(1, exitcodes.DEVICE_ERROR_CAUSE, pod2, failed_at, nodes=nodes or {})
+        if nodes is None:
+            del record["nodes"]  # not written before stop 60
+        body = json.dumps({"recovery": [record], "recovery_counts": {"process": 1}}).encode()
+        report = progress_report.parse(body)
+        assert report.document is not None and report.notes == (), report
+        changes, _ = progress_status.recovery_changes(
+            state.status, report.document, state.spec, at(10)
+        )
+        assert changes["recovery"]["last"]["nodes"] == report.document["recovery"][0].get("nodes")
+        return [(e["node"], e["ranks"]) for e in changes["deviceErrors"]]
+
+    assert charged({"n2": pod2}) == [("n2", list(pod2))]
+    assert charged({"other-tenants-node": pod2}) == [("n9", list(pod2))]
+    assert charged({"n0": pod2}) == [("n9", list(pod2))]
+    assert charged(None) == [("n9", list(pod2))]
+
+
+@pytest.mark.parametrize(
+    "nodes",
+    [
+        "n2",
+        [{"node": "n2"}],
+        [{"node": "N2 with spaces", "ranks": [2]}],
+        [{"node": "n" * 254, "ranks": [2]}],
+        [{"node": "n2", "ranks": [True]}],
+        [{"node": "n2", "ranks": [-1]}],
+        [{"node": "n2", "ranks": list(range(17))}],
+        [{"node": f"n{i}", "ranks": [i]} for i in range(3)],
+    ],
+)
+def test_a_record_whose_nodes_break_the_schema_is_dropped_with_a_note(nodes):
+    record = {**_record(1, exitcodes.DEVICE_ERROR_CAUSE, (2,), at(3).timestamp()), "nodes": nodes}
+    report = progress_report.parse(json.dumps({"recovery": [record]}).encode())
+    assert report.document is not None and "recovery" not in report.document, report
+    assert any("recovery" in note for note in report.notes), report.notes
 
 
 def test_an_in_place_recovery_from_a_device_error_is_kept_by_its_ranks_node_once():

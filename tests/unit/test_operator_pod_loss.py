@@ -203,8 +203,13 @@ def test_a_replacement_is_written_into_placement_and_counted_in_recovery():
         "pod": "j-r0-2-p1",
         "replaced": 1,
         "pending": True,  # recorded, not created yet (review finding 3)
+        "previousNode": "n2",  # where the lost pod ran: its ranks' records may name it
     }
     assert changes["placement"][:2] == three()["placement"][:2]
+    # planned again while pending (n7 was taken): it moves, and the lost pod's node stays
+    moved = [replacement.Replaced(2, "j-r0-2", "pod deleted", "j-r0-2-p1", "n8", spare=False)]
+    again = replacement.status_changes(job(spec(), **{**three(), **changes}), moved, 1, at(6))
+    assert again["placement"][2]["node"] == "n8" and again["placement"][2]["previousNode"] == "n2"
     recovery = changes["recovery"]
     assert recovery["inPlaceRestarts"] == 3 and recovery["byTier"] == {
         "process": 2,

@@ -24,21 +24,22 @@ TRAINER_DOCUMENT = {
     "stragglers": [{"rank": 3, "slowdown": 1.8, "since_step": 90}],
     "gradient_noise_scale": 512.0,
     "resumed_from_uid": "0b6c1f5e-6f8e-4c7a-9a43-3f1e2d4c5b6a",
-    "recovery": [
-        {
-            "generation": 1,
-            "tier": "process",
-            "cause": "exit 1",
-            "ranks": [3],
-            "failedAt": 100.0,
-            "detectedAt": 100.5,
-            "rejoinedAt": 101.0,
-            "restoredAt": 101.5,
-            "resumedStep": 40,
-            "source": "memory",
-            "lostSteps": 2,
-            "firstStepAt": 102.0,
-        }
+    "recovery": [  # the trainer's own JSON form of a record
+        trainer_recoveries.Recovery(
+            generation=1,
+            tier="process",
+            cause="exit 1",
+            ranks=(3,),
+            failed_at=100.0,
+            detected_at=100.5,
+            rejoined_at=101.0,
+            restored_at=101.5,
+            resumed_step=40,
+            source="memory",
+            lost_steps=2,
+            first_step_at=102.0,
+            nodes={"gpu-b0-l0-n1": (3,)},
+        ).to_json()
     ],
     "recovery_counts": {"process": 1, "container": 0, "pod": 0},
     "goodput": {

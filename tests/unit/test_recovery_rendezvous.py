@@ -4,6 +4,7 @@ the abort's choices."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import threading
@@ -17,6 +18,7 @@ from meshtrain.api.spec import run_policy as api_run_policy
 from meshtrain.operator.policy import progress_report
 from meshtrain.trainer import launch, supervise
 from meshtrain.trainer.recovery import abort, generations, rendezvous, spares
+from meshtrain.trainer.telemetry import context
 
 POD0 = rendezvous.Incarnation(0, 1, "pod-0-uid")
 
@@ -401,6 +403,29 @@ def test_workers_get_nccl_error_handling_off_and_their_incarnation(store, monkey
     handed = sup.rank_env(0)[rendezvous.INCARNATION_ENV]
     assert rendezvous.Incarnation.loads(1, handed) == rendezvous.Incarnation(1, 1, "3f1c-uid")
     assert supervise.classify(rendezvous.SUPERSEDED) == "superseded"
+
+
+def test_a_supervisors_own_ranks_failure_names_its_node_in_the_rounds_record(
+    store, monkeypatch, tmp_path
+):
+    """Pod 1's supervisor (on gpu-b by the downward API) reports rank 3's device error; rank 0's
+    record of the round says gpu-b, and the operator's parser keeps it.  A node name no Node
+    can have is not said."""
+    monkeypatch.setenv(context.NODE_ENV, "gpu-b")
+    args = supervise.build_parser().parse_args(["--nnodes=2", "--node-rank=1", "--master-port=1"])
+    sup = supervise.Supervisor(args, supervise.settings(args), store)
+    rendezvous.init_generation(store)
+    assert rendezvous.start_round(store, 0, sup.failure("process", "exit 78", (3,)), 10)
+    session = generations.Session(1, store, 0, None, str(tmp_path), [], 3)  # type: ignore[arg-type]
+    session.restored(2, "memory")
+    session.step_done(3)
+    [record] = session.history
+    assert record["ranks"] == [3] and record["nodes"] == [{"node": "gpu-b", "ranks": [3]}]
+    parsed = progress_report.parse(json.dumps({"recovery": [record]}).encode()).document
+    assert parsed is not None and parsed["recovery"][0]["nodes"] == record["nodes"]
+    monkeypatch.setenv(context.NODE_ENV, "n" * 254)
+    unnamed = supervise.Supervisor(args, supervise.settings(args), store)
+    assert unnamed.failure("process", "exit 78", (3,)).node == ""
 
 
 def test_a_recovery_that_restored_nothing_records_none(store, tmp_path):

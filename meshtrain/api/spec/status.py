@@ -57,6 +57,12 @@ class PodPlacement(base.StatusModel):
         le=limits.MAX_COUNT,
         description="Times this index was replaced in this gang attempt (absent: never).",
     )
+    previous_node: str | None = Field(
+        None,
+        max_length=limits.MAX_NODE_NAME_LENGTH,
+        description="The node of the pod this index's replacement took over from (absent: never "
+        "replaced): a recovery record read after the replacement may name it for its failed ranks.",
+    )
     pending: bool | None = Field(
         None,
         description="The replacement named by pod is recorded but not created yet (a pass after "
@@ -257,7 +263,7 @@ class Disruptions(base.StatusModel):
 class FailedRanksNode(base.StatusModel):
     """A node failed ranks of an in-place recovery ran on."""
 
-    node: str = Field(max_length=253, description="Node name.")
+    node: str = Field(max_length=limits.MAX_NODE_NAME_LENGTH, description="Node name.")
     ranks: list[Annotated[int, Field(ge=0, description="A global rank.")]] = Field(
         default_factory=list, max_length=16, description="The failed ranks that ran there."
     )

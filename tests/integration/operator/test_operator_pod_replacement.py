@@ -107,6 +107,7 @@ def test_a_deleted_pod_alone_is_replaced_in_its_required_leaf(plane, space):
     job = JobBuilder("keep", namespace, pool).layout(data=6).gpus(2)
     job.topology(levels=[{"label": LEAF, "mode": "required"}])
     before = _start(cluster, job, namespace, "keep")
+    lost_node = _pod(cluster, namespace, "keep-r0-2").spec.node_name
     cluster.core.delete_namespaced_pod("keep-r0-2", namespace)  # the kubelet confirms it
     replaced = _bound(cluster, namespace, "keep-r0-2-p1")
     assert replaced.spec.node_name in leaf_a  # the required leaf, though leaf b has room too
@@ -123,7 +124,13 @@ def test_a_deleted_pod_alone_is_replaced_in_its_required_leaf(plane, space):
         "only the replacement new",
         lambda: {p.metadata.name: p.metadata.uid for p in cluster.pods(namespace, "keep")} == pods,
     )
-    entry = {"podIndex": 2, "node": replaced.spec.node_name, "pod": "keep-r0-2-p1", "replaced": 1}
+    entry = {
+        "podIndex": 2,
+        "node": replaced.spec.node_name,
+        "pod": "keep-r0-2-p1",
+        "replaced": 1,
+        "previousNode": lost_node,  # a recovery record read after this may name it
+    }
     # The operator records the replacement as pending, creates the pod, then clears ``pending``
     # in a second status write: the pod can be bound before that write lands.
     wait_for(

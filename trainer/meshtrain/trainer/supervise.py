@@ -218,7 +218,8 @@ class Supervisor:
         )
         # This pod's node (downward API; empty outside Kubernetes), named in the failures of its
         # own ranks: a record keeps it after the pod is replaced elsewhere.
-        self.node = os.environ.get(context.NODE_ENV, "")
+        node = os.environ.get(context.NODE_ENV, "")
+        self.node = node if rendezvous.known_node(node) else ""
 
     def failure(self, tier: str, cause: str, ranks: tuple[int, ...]) -> rendezvous.Failure:
         """A failure of this pod's own ``ranks`` in this incarnation, observed now, on this node."""

@@ -113,19 +113,34 @@ def _record_ranks_by_node(
     spec: api_spec.TrainingJobSpec,
     status: Mapping[str, Any],
 ) -> dict[str, list[int]]:
-    """The nodes of a record's failed ``ranks``: the one the record names for a rank (its pod's
-    supervisor said where it ran), else its pod's node now (``status.placement``), which is
-    another when the pod was replaced after the failure and before this read."""
-    said: dict[int, str] = {}
+    """The nodes of a record's failed ``ranks``.
+
+    A record names the node of each pod whose supervisor reported its own ranks' failure; every
+    rank of that pod ran there.  The name is the tenant's program's word, so it counts only where
+    that pod index was held: its node in ``status.placement`` or the one its last replacement
+    took over from (``previousNode``).  A rank whose pod the record does not name (or names
+    elsewhere) goes by its pod's node now, which is the replacement's if the pod was replaced
+    twice before this read."""
+    gpus, layout = spec.resources.gpus_per_node, spec.parallelism.layout
+    held: dict[int, set[str]] = {}
+    for index, entry in replacement.entries(status).items():
+        held[index] = {str(entry[k]) for k in ("node", "previousNode") if entry.get(k)}
+    named: dict[int, set[str]] = {}
     for entry in record.get("nodes") or []:
-        if isinstance(entry, Mapping) and isinstance(entry.get("node"), str) and entry["node"]:
-            for rank in entry.get("ranks") or []:
-                said.setdefault(rank, entry["node"])
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("ranks"), list):
+            continue
+        for rank in entry["ranks"]:
+            pod = layout.pod_of(rank, gpus) if isinstance(rank, int) else None
+            if pod is not None and entry.get("node") in held.get(pod, set()):
+                named.setdefault(pod, set()).add(entry["node"])
     found: dict[str, list[int]] = {}
+    unnamed = []
     for rank in ranks:
-        if rank in said:
-            found.setdefault(said[rank], []).append(rank)
-    unnamed = [r for r in ranks if r not in said]
+        nodes = named.get(layout.pod_of(rank, gpus))
+        for node in sorted(nodes or ()):  # a pod index replaced mid-round may have two
+            found.setdefault(node, []).append(rank)
+        if not nodes:
+            unnamed.append(rank)
     for node, on_node in ranks_by_node(unnamed, spec, status).items():
         found.setdefault(node, []).extend(on_node)
     return found

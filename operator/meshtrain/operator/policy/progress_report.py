@@ -19,12 +19,15 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from meshtrain.api import limits
+from meshtrain.api.spec import kube_names
+
 BODY_LIMIT = 4096
-"""Most bytes of one document: the trainer's largest is 3,936 bytes (docs/telemetry.md)."""
+"""Most bytes of one document: the trainer's largest stays under it (docs/telemetry.md)."""
 
 MAX_NESTING = 8
-"""Arrays and objects inside one another a document may open (the trainer's go 5 deep:
-``{"recovery": [{"nodes": [{"ranks": [...]}]}]}``)."""
+"""Arrays and objects inside one another a document may open (the trainer's go 6 deep, counted
+as :func:`_nesting_exceeds` counts: ``{"recovery": [{"nodes": [{"ranks": [...]}]}]}``)."""
 
 MAX_INTEGER = 2**53 - 1
 """Largest integer a field may hold: JSON's exact range, well inside the status' int64."""
@@ -146,8 +149,10 @@ MAX_CAUSE = 120
 """Longest ``cause`` of a recovery record."""
 MAX_RECORD_NODES = 2
 """Most ``nodes`` entries of a recovery record (the trainer's ``recoveries.MAX_NODES``)."""
-MAX_NODE_NAME = 253
-"""Longest node name (a Kubernetes object name's limit)."""
+MAX_RECORD_RANKS = 16
+"""Most ranks a recovery record lists, in ``ranks`` or under one of its ``nodes``."""
+NODE_NAME = re.compile(kube_names.DNS_1123_SUBDOMAIN.removeprefix("^").removesuffix("$"))
+"""A Node's name: a DNS subdomain."""
 RECOVERY_TIERS = ("process", "container", "pod", "torchrun", "gang")
 RECOVERY_SOURCES = ("memory", "storage", "none")
 _RECORD_NUMBERS = {
@@ -171,7 +176,7 @@ def _recovery_record(value: Any) -> dict[str, Any] | None:
         return None
     entry: dict[str, Any] = {"generation": generation, "tier": tier, "cause": cause[:MAX_CAUSE]}
     ranks = value.get("ranks")
-    if isinstance(ranks, list) and len(ranks) <= MAX_STRAGGLERS:
+    if isinstance(ranks, list) and len(ranks) <= MAX_RECORD_RANKS:
         entry["ranks"] = [r for r in (_integer(r) for r in ranks) if r is not None]
     for key, check in _RECORD_NUMBERS.items():
         if value.get(key) is not None:
@@ -183,29 +188,33 @@ def _recovery_record(value: Any) -> dict[str, Any] | None:
         if value["source"] not in RECOVERY_SOURCES:
             return None
         entry["source"] = value["source"]
-    nodes = _record_nodes(value.get("nodes"))
-    if nodes:
+    if value.get("nodes") is not None:  # absent from trainers older than stop 60
+        nodes = _record_nodes(value["nodes"])
+        if nodes is None:
+            return None
         entry["nodes"] = nodes
     return entry
 
 
-def _record_nodes(value: Any) -> list[dict[str, Any]]:
+def _record_nodes(value: Any) -> list[dict[str, Any]] | None:
     """A record's ``nodes`` (where its failed ranks ran, as their pods' supervisors said): at most
-    :data:`MAX_RECORD_NODES` entries of a node name and its ranks; malformed entries are left out
-    (the operator then finds those ranks' nodes from the placement)."""
-    if not isinstance(value, list):
-        return []
+    :data:`MAX_RECORD_NODES` entries, each a Node's name and at most :data:`MAX_RECORD_RANKS`
+    ranks; None (the record breaks the schema) for anything else.  Whether the job held such a
+    node is judged where a record is used (``device_errors``)."""
+    if not isinstance(value, list) or len(value) > MAX_RECORD_NODES:
+        return None
     found = []
-    for item in value[:MAX_RECORD_NODES]:
+    for item in value:
         node = item.get("node") if isinstance(item, Mapping) else None
         ranks = item.get("ranks") if isinstance(item, Mapping) else None
-        if not isinstance(node, str) or not 0 < len(node) <= MAX_NODE_NAME:
-            continue
-        if not isinstance(ranks, list) or len(ranks) > MAX_STRAGGLERS:
-            continue
-        valid = [r for r in (_integer(r) for r in ranks) if r is not None]
-        if valid:
-            found.append({"node": node, "ranks": valid})
+        if not isinstance(node, str) or len(node) > limits.MAX_NODE_NAME_LENGTH:
+            return None
+        if not NODE_NAME.fullmatch(node) or not isinstance(ranks, list):
+            return None
+        valid = [_integer(r) for r in ranks[: MAX_RECORD_RANKS + 1]]
+        if not ranks or len(ranks) > MAX_RECORD_RANKS or None in valid:
+            return None
+        found.append({"node": node, "ranks": valid})
     return found
 
 

@@ -234,12 +234,15 @@ def status_changes(
         before = placed.get(r.index) or {}
         again = pending(before)
         new += not again
+        # the lost pod's node (a pending entry's node held no pod yet: its own previous one stays)
+        previous = before.get("previousNode") if again else before.get("node")
         placed[r.index] = {
             "podIndex": r.index,
             "node": r.node,
             "pod": r.pod,
             "replaced": int(before.get("replaced") or 0) + (0 if again else 1),
             "pending": True,
+            **({"previousNode": previous} if previous else {}),
         }
     attempt = int(job.status.get("restarts") or 0)
     recovery = recovery_count.book(job.status, attempt, now)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtrain.api import job_dir
+from meshtrain.api import job_dir, limits
 from meshtrain.api import spec as api_spec
 from meshtrain.planner import snapshots as planned
 from meshtrain.trainer.checkpointing import (
@@ -41,7 +41,7 @@ from meshtrain.trainer.optim import batch_change
 
 NODE_ENV = "MESHTRAIN_NODE_NAME"
 """The node a pod runs on (the operator sets it from ``spec.nodeName``)."""
-MAX_NODE_NAME = 253
+MAX_NODE_NAME = limits.MAX_NODE_NAME_LENGTH
 """Characters of a node name compared (a Kubernetes name is at most this long)."""
 ROOT_ENV = "MESHTRAIN_MEMORY_CHECKPOINT_DIR"
 """Overrides the snapshot directory (tests, local runs); else :func:`default_root`."""

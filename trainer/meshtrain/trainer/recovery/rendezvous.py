@@ -52,7 +52,7 @@ from typing import Any
 
 from torch._C import _distributed_c10d as c10d
 
-from meshtrain.api import exitcodes
+from meshtrain.api import exitcodes, limits
 from meshtrain.api.spec import run_policy as api_run_policy
 
 GENERATION = "rdzv/generation"
@@ -92,8 +92,6 @@ MAX_VALUE = 4096
 """Bytes of a report read back (the store is shared by every pod: bound what is trusted)."""
 MAX_UID = 64
 """Bytes of a pod UID kept (a Kubernetes UID has 36)."""
-MAX_NODE_NAME = 253
-"""Longest node name kept (a Kubernetes object name's limit)."""
 MAX_SUMMARY_NODES = 2
 """Nodes a round's summary lists (those of the lowest failed ranks)."""
 POLL_S = 0.05
@@ -118,25 +116,35 @@ class Failure:
     stays true after the pod is replaced, where the pod's current node no longer is."""
 
     def dumps(self) -> str:
-        value = {"tier": self.tier, "cause": self.cause, "ranks": list(self.ranks)}
-        return json.dumps(
-            {**value, "at": self.failed_at, **({"node": self.node} if self.node else {})}
-        )
+        value: dict[str, Any] = {
+            "tier": self.tier,
+            "cause": self.cause,
+            "ranks": list(self.ranks),
+            "at": self.failed_at,
+        }
+        if self.node:
+            value["node"] = self.node
+        return json.dumps(value)
 
     @staticmethod
     def loads(raw: bytes) -> Failure | None:
         try:
             value = json.loads(raw[:MAX_VALUE])
-            node = value.get("node", "")  # absent from older trainers' reports
+            node = value.get("node")  # absent from older trainers' reports
             return Failure(
                 tier=str(value["tier"]) if value["tier"] in TIER_ORDER else "process",
                 cause=str(value["cause"])[:200],
                 ranks=tuple(int(r) for r in value["ranks"][:MAX_FAILURES]),
                 failed_at=float(value["at"]),
-                node=node[:MAX_NODE_NAME] if isinstance(node, str) else "",
+                node=node if known_node(node) else "",
             )
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
+
+
+def known_node(name: Any) -> bool:
+    """Whether ``name`` can be a Node's (a longer one is no node's: dropped, never cut)."""
+    return isinstance(name, str) and 0 < len(name) <= limits.MAX_NODE_NAME_LENGTH
 
 
 def left_key(pod: int) -> str:

@@ -535,6 +535,7 @@ def gang_record(
         "source": "storage",
         "lostSteps": step - resumed,
         "firstStepAt": None,
+        "nodes": [],  # which ranks failed where is the operator's to say (status.deviceErrors)
     }
 
 

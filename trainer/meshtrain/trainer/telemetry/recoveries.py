@@ -35,11 +35,12 @@ MAX_CAUSE = 120
 """Characters of ``cause`` kept."""
 MAX_NODES = 2
 """Nodes a record lists (``nodes``), each with at most :data:`MAX_NODE_RANKS` ranks and a name of
-at most :data:`MAX_NODE_NAME` characters: with :data:`RECENT` records the progress document stays
+at most :data:`MAX_RECORD_NODE_NAME` characters: with :data:`RECENT` records the progress document stays
 under its 4 KiB (``tests/unit/test_progress_report.py``); a rank left out has its node found by
 the operator from the placement, as before records named nodes."""
 MAX_NODE_RANKS = 4
-MAX_NODE_NAME = 63
+"""Ranks a ``nodes`` entry lists: the operator needs one to find the pod, whose every rank ran there."""
+MAX_RECORD_NODE_NAME = 63
 """Longest node name a record carries (cloud providers' names are shorter; a longer one is left out)."""
 
 Tier = Literal["process", "container", "pod", "gang"]
@@ -102,7 +103,7 @@ class Recovery:
             "nodes": [
                 {"node": node, "ranks": list(ranks[:MAX_NODE_RANKS])}
                 for node, ranks in self.nodes.items()
-                if len(node) <= MAX_NODE_NAME
+                if len(node) <= MAX_RECORD_NODE_NAME
             ][:MAX_NODES],
         }
 
