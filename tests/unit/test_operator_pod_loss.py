@@ -218,6 +218,7 @@ def test_a_replacement_is_written_into_placement_and_counted_in_recovery():
     }
     assert recovery["attempt"] == 0 and recovery["attemptRestarts"] == 1  # none booked for it yet
     assert recovery["last"]["tier"] == "pod" and recovery["last"]["ranks"] == [2]
+    assert recovery["last"]["nodes"] == [{"node": "n2", "ranks": [2]}]  # where the lost pod ran
     assert replacement.next_name("j", 0, changes["placement"][2], 2) == "j-r0-2-p2"
     assert naming.replacement_pod_name("j", 0, 2, 1) == "j-r0-2-p1"
     assert pod_loss.REPLACE_LOST in lifecycle.RULES

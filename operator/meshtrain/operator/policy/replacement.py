@@ -252,6 +252,12 @@ def status_changes(
     by_tier[TIER] = by_tier.get(TIER, 0) + new
     stamp = round(now.timestamp(), 3)
     ranks = [x.index * gpus_per_pod + r for x in replaced for r in range(gpus_per_pod)]
+    lost_on = []  # where the lost pods ran, as status.recovery.last.nodes
+    for x in replaced:
+        if node := placed[x.index].get("previousNode"):
+            first = x.index * gpus_per_pod
+            held = range(first, first + min(gpus_per_pod, recovery_count.MAX_RANKS))
+            lost_on.append({"node": node, "ranks": list(held)})
     record: dict[str, Any] = dict.fromkeys(recovery_count.RECORD_KEYS)
     record.update(
         tier=TIER,
@@ -260,6 +266,7 @@ def status_changes(
         ranks=ranks[: recovery_count.MAX_RANKS],
         failedAt=stamp,
         detectedAt=stamp,
+        nodes=lost_on[: recovery_count.MAX_NODES] or None,
     )
     recovery.update(
         inPlaceRestarts=recovery["inPlaceRestarts"] + new,
