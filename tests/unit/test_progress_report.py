@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -11,6 +12,7 @@ from meshtrain.operator.policy import progress_report, progress_status
 from meshtrain.trainer.guards import stragglers as trainer_stragglers
 from meshtrain.trainer.telemetry import progress as trainer_progress
 from meshtrain.trainer.telemetry import recoveries as trainer_recoveries
+from tests.unit.test_recoveries_log import record as recovery_record
 
 TRAINER_DOCUMENT = {
     "step": 120,
@@ -25,21 +27,7 @@ TRAINER_DOCUMENT = {
     "gradient_noise_scale": 512.0,
     "resumed_from_uid": "0b6c1f5e-6f8e-4c7a-9a43-3f1e2d4c5b6a",
     "recovery": [  # the trainer's own JSON form of a record
-        trainer_recoveries.Recovery(
-            generation=1,
-            tier="process",
-            cause="exit 1",
-            ranks=(3,),
-            failed_at=100.0,
-            detected_at=100.5,
-            rejoined_at=101.0,
-            restored_at=101.5,
-            resumed_step=40,
-            source="memory",
-            lost_steps=2,
-            first_step_at=102.0,
-            nodes={"gpu-b0-l0-n1": (3,)},
-        ).to_json()
+        dataclasses.replace(recovery_record(1), nodes={"gpu-b0-l0-n1": (3,)}).to_json()
     ],
     "recovery_counts": {"process": 1, "container": 0, "pod": 0},
     "goodput": {
