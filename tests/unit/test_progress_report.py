@@ -204,6 +204,7 @@ def test_the_trainers_largest_document_fits_and_passes():
         eval_loss=-1.2345678901234567e-300,
         skipped_updates=progress_report.MAX_INTEGER,
         gradient_noise_scale=1.2345678901234567e300,
+        resumed_from_uid="0b6c1f5e-6f8e-4c7a-9a43-3f1e2d4c5b6a",
         goodput={
             "ratio": 0.12345678901234567,
             "productive_seconds": 1.2345678901234567e299,  # as long as e300; within the wall

@@ -4,6 +4,7 @@ the abort's choices."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from meshtrain.api.spec import run_policy as api_run_policy
 from meshtrain.operator.policy import progress_report
 from meshtrain.trainer import launch, supervise
 from meshtrain.trainer.recovery import abort, generations, rendezvous, spares
-from meshtrain.trainer.telemetry import context
+from meshtrain.trainer.telemetry import context, recoveries
 
 POD0 = rendezvous.Incarnation(0, 1, "pod-0-uid")
 
@@ -55,32 +56,35 @@ def test_two_observers_of_one_failure_bump_once(store):
     assert summary["detected_at"] >= summary["failed_at"]
 
 
+LONG_NODE = f"{'a' * 40}.{'b' * 40}"
+"""A Node's name too long for a recovery record (81 characters)."""
+
+
 def test_a_round_names_the_nodes_its_failed_ranks_ran_on_where_their_observers_said(store):
-    """Reports of an observer on the failed ranks' node name it; a peer's report (no node) and an
-    older trainer's report (no key) leave their ranks unnamed; at most two nodes, the lowest ranks'."""
+    """Reports of an observer on the failed ranks' node name it; a peer's report (no node), an
+    older trainer's report (no key) and a name no Node can have leave their ranks unnamed.  The
+    round names every node; its record keeps the lowest ranks' two whose names fit it."""
     rendezvous.init_generation(store)
     reports = [
         rendezvous.Failure("process", "exit 78", (5,), time.time(), node="node-c"),
         rendezvous.Failure("process", "exit 78", (3,), time.time(), node="node-b"),
         rendezvous.Failure("pod", "GPU failed twice", (2, 3), time.time(), node="node-b"),
         rendezvous.Failure("pod", "pod lost", (6, 7), time.time()),  # a peer's observation
-        rendezvous.Failure("process", "exit 1", (1,), time.time(), node="node-a"),
+        rendezvous.Failure("process", "exit 1", (1,), time.time(), node=LONG_NODE),
+        rendezvous.Failure("process", "exit 1", (4,), time.time(), node="Not a node!"),
     ]
     for report in reports:
         rendezvous.report(store, 1, report)
     older = b'{"tier": "process", "cause": "exit 1", "ranks": [0], "at": 1.0}'
     store.set(f"rdzv/r1/fail{store.add('rdzv/r1/nfail', 1)}", older)
-    assert [f.node for f in rendezvous.failures(store, 1)] == [
-        "node-c",
-        "node-b",
-        "node-b",
-        "",
-        "node-a",
-        "",
-    ]
+    nodes = [f.node for f in rendezvous.failures(store, 1)]
+    assert nodes == ["node-c", "node-b", "node-b", "", LONG_NODE, "", ""]
     summary = rendezvous.summary(store, 1)
-    assert summary["ranks"] == (0, 1, 2, 3, 5, 6, 7)
-    assert summary["nodes"] == {"node-a": (1,), "node-b": (2, 3)}
+    assert summary["ranks"] == (0, 1, 2, 3, 4, 5, 6, 7)
+    assert summary["nodes"] == {LONG_NODE: (1,), "node-b": (2, 3), "node-c": (5,)}
+    record = recoveries.Recovery(1, "process", "exit 78", (3,), 1.0, 1.0, 1.0, 1.0, 0, "none", 0)
+    written = dataclasses.replace(record, nodes=summary["nodes"]).to_json()["nodes"]
+    assert written == [{"node": "node-b", "ranks": [2, 3]}, {"node": "node-c", "ranks": [5]}]
 
 
 def test_a_rank_that_had_not_joined_the_round_only_reports_to_it(store):

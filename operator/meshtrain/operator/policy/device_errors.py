@@ -118,28 +118,35 @@ def _record_ranks_by_node(
     A record names the node of each pod whose supervisor reported its own ranks' failure; every
     rank of that pod ran there.  The name is the tenant's program's word, so it counts only where
     that pod index was held: its node in ``status.placement`` or the one its last replacement
-    took over from (``previousNode``).  A rank whose pod the record does not name (or names
-    elsewhere) goes by its pod's node now, which is the replacement's if the pod was replaced
-    twice before this read."""
+    took over from (``previousNode``).  A pod named elsewhere (replaced twice before this read, a
+    CRD that dropped ``previousNode``, or a false name) charges no node: its current one is the
+    one it did not fail on.  Only a pod the record does not name goes by its node now."""
     gpus, layout = spec.resources.gpus_per_node, spec.parallelism.layout
     held: dict[int, set[str]] = {}
     for index, entry in replacement.entries(status).items():
         held[index] = {str(entry[k]) for k in ("node", "previousNode") if entry.get(k)}
-    named: dict[int, set[str]] = {}
+    named: dict[int, dict[str, set[int]]] = {}  # pod -> believed node -> the ranks it lists
+    said: set[int] = set()  # pods the record names at all
     for entry in record.get("nodes") or []:
         if not isinstance(entry, Mapping) or not isinstance(entry.get("ranks"), list):
             continue
         for rank in entry["ranks"]:
-            pod = layout.pod_of(rank, gpus) if isinstance(rank, int) else None
-            if pod is not None and entry.get("node") in held.get(pod, set()):
-                named.setdefault(pod, set()).add(entry["node"])
+            if not isinstance(rank, int):
+                continue
+            pod = layout.pod_of(rank, gpus)
+            said.add(pod)
+            if entry.get("node") in held.get(pod, set()):
+                named.setdefault(pod, {}).setdefault(entry["node"], set()).add(rank)
     found: dict[str, list[int]] = {}
     unnamed = []
     for rank in ranks:
-        nodes = named.get(layout.pod_of(rank, gpus))
-        for node in sorted(nodes or ()):  # a pod index replaced mid-round may have two
+        pod = layout.pod_of(rank, gpus)
+        nodes = named.get(pod, {})
+        # two nodes for one pod (replaced mid-round): each for the ranks its entry lists
+        where = list(nodes) if len(nodes) == 1 else sorted(n for n, r in nodes.items() if rank in r)
+        for node in where:
             found.setdefault(node, []).append(rank)
-        if not nodes:
+        if pod not in said:
             unnamed.append(rank)
     for node, on_node in ranks_by_node(unnamed, spec, status).items():
         found.setdefault(node, []).extend(on_node)

@@ -188,10 +188,8 @@ def _recovery_record(value: Any) -> dict[str, Any] | None:
         if value["source"] not in RECOVERY_SOURCES:
             return None
         entry["source"] = value["source"]
-    if value.get("nodes") is not None:  # absent from trainers older than stop 60
-        nodes = _record_nodes(value["nodes"])
-        if nodes is None:
-            return None
+    nodes = _record_nodes(value.get("nodes"))  # absent from trainers older than stop 60
+    if nodes is not None:
         entry["nodes"] = nodes
     return entry
 
@@ -199,8 +197,9 @@ def _recovery_record(value: Any) -> dict[str, Any] | None:
 def _record_nodes(value: Any) -> list[dict[str, Any]] | None:
     """A record's ``nodes`` (where its failed ranks ran, as their pods' supervisors said): at most
     :data:`MAX_RECORD_NODES` entries, each a Node's name and at most :data:`MAX_RECORD_RANKS`
-    ranks; None (the record breaks the schema) for anything else.  Whether the job held such a
-    node is judged where a record is used (``device_errors``)."""
+    ranks; None for anything else, which leaves the record without it (:func:`_dropped_nodes`
+    notes it).  Whether the job held such a node is judged where a record is used
+    (``device_errors``)."""
     if not isinstance(value, list) or len(value) > MAX_RECORD_NODES:
         return None
     found = []
@@ -216,6 +215,17 @@ def _record_nodes(value: Any) -> list[dict[str, Any]] | None:
             return None
         found.append({"node": node, "ranks": valid})
     return found
+
+
+def _dropped_nodes(sent: Any, kept: Any) -> list[str]:
+    """A note for each recovery record kept without the ``nodes`` it was sent with."""
+    if not isinstance(sent, list) or not isinstance(kept, list) or len(sent) != len(kept):
+        return []
+    return [
+        f"recovery[{i}].nodes: out of the schema, ignored"
+        for i, (raw, entry) in enumerate(zip(sent, kept))
+        if isinstance(raw, Mapping) and raw.get("nodes") is not None and "nodes" not in entry
+    ]
 
 
 def _recovery_list(value: Any) -> list[dict[str, Any]] | None:
@@ -366,6 +376,7 @@ def _checked(raw: Mapping[str, Any]) -> Reading:
             notes.append(f"{key}: {type(raw[key]).__name__} out of the schema, ignored")
         else:
             document[key] = None if value is _NULL else value
+    notes.extend(_dropped_nodes(raw.get("recovery"), document.get("recovery")))
     unknown = [key for key in raw if key not in FIELDS]
     if unknown:
         named = ", ".join(_quote(key) for key in unknown[:2])

@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -53,6 +54,7 @@ from typing import Any
 from torch._C import _distributed_c10d as c10d
 
 from meshtrain.api import exitcodes, limits
+from meshtrain.api.spec import kube_names
 from meshtrain.api.spec import run_policy as api_run_policy
 
 GENERATION = "rdzv/generation"
@@ -92,8 +94,6 @@ MAX_VALUE = 4096
 """Bytes of a report read back (the store is shared by every pod: bound what is trusted)."""
 MAX_UID = 64
 """Bytes of a pod UID kept (a Kubernetes UID has 36)."""
-MAX_SUMMARY_NODES = 2
-"""Nodes a round's summary lists (those of the lowest failed ranks)."""
 POLL_S = 0.05
 TIER_ORDER = ("process", "container", "pod", "gang")
 
@@ -142,9 +142,17 @@ class Failure:
             return None
 
 
+NODE_NAME = re.compile(kube_names.DNS_1123_SUBDOMAIN)
+
+
 def known_node(name: Any) -> bool:
-    """Whether ``name`` can be a Node's (a longer one is no node's: dropped, never cut)."""
-    return isinstance(name, str) and 0 < len(name) <= limits.MAX_NODE_NAME_LENGTH
+    """Whether ``name`` can be a Node's (a DNS subdomain of at most 253 characters; anything
+    else is no node's name: dropped, never cut, as the operator would refuse it)."""
+    return (
+        isinstance(name, str)
+        and len(name) <= limits.MAX_NODE_NAME_LENGTH
+        and NODE_NAME.fullmatch(name) is not None
+    )
 
 
 def left_key(pod: int) -> str:
@@ -568,11 +576,11 @@ def summary(store: c10d.Store, round_: int) -> dict[str, Any]:
 
 
 def failed_nodes(found: Sequence[Failure]) -> dict[str, tuple[int, ...]]:
-    """The nodes of the failed ranks whose observers said where they ran, each with its ranks
-    (at most :data:`MAX_SUMMARY_NODES`, those of the lowest ranks)."""
+    """The nodes of the failed ranks whose observers said where they ran, each with its ranks,
+    the lowest ranks' first (as many as reports were read: a record keeps the few it has room for)."""
     by_node: dict[str, set[int]] = {}
     for failure in found:
         if failure.node and failure.ranks:
             by_node.setdefault(failure.node, set()).update(failure.ranks)
-    kept = sorted(by_node.items(), key=lambda item: min(item[1]))[:MAX_SUMMARY_NODES]
+    kept = sorted(by_node.items(), key=lambda item: min(item[1]))
     return {node: tuple(sorted(ranks)) for node, ranks in kept}
