@@ -27,7 +27,15 @@ TRAINER_DOCUMENT = {
     "gradient_noise_scale": 512.0,
     "resumed_from_uid": "0b6c1f5e-6f8e-4c7a-9a43-3f1e2d4c5b6a",
     "recovery": [  # the trainer's own JSON form of a record
-        dataclasses.replace(recovery_record(1), nodes={"gpu-b0-l0-n1": (3,)}).to_json()
+        dataclasses.replace(
+            recovery_record(1),
+            cause="exit 1",
+            resumed_step=40,
+            source="memory",
+            lost_steps=2,
+            first_step_at=102.0,
+            nodes={"gpu-b0-l0-n1": (3,)},
+        ).to_json()
     ],
     "recovery_counts": {"process": 1, "container": 0, "pod": 0},
     "goodput": {
