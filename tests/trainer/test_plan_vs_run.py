@@ -9,6 +9,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,10 +38,25 @@ def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     )
 
 
+SETTLE_SECONDS = 90
+"""Longest wait for the machine to settle before the timed run (see :func:`_settle`)."""
+
+
+def _settle() -> None:
+    """Wait, at most :data:`SETTLE_SECONDS`, until the one-minute load average is below the core
+    count.  ``make test`` starts this file right after its parallel part, whose last processes
+    (control planes, trainer runs) may still be ending: on 2026-12-02 a run started at load
+    average 4.9 measured the step at 2.001x the plan, and the same tests a minute later passed."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while os.getloadavg()[0] >= host_model.host_cores() and time.monotonic() < deadline:
+        time.sleep(2)
+
+
 @pytest.fixture(scope="module")
 def example_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """``meshtrain run`` of the example for a few steps: (log dir, its stderr)."""
     log_dir = tmp_path_factory.mktemp("tiny-cpu")
+    _settle()
     done = _cli("run", str(EXAMPLE), "--steps", str(STEPS), "--log-dir", str(log_dir), timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     return log_dir, done.stderr
