@@ -90,6 +90,9 @@ MAX_STRING_LENGTH = 4_096
 
 MAX_NODE_NAME_LENGTH = 253
 """A Node's name (a DNS subdomain): longer is no node's, and is dropped rather than cut."""
+MAX_RECOVERY_NODES = 2
+"""Nodes a recovery record's ``nodes`` lists (the trainer's record, its copy in the progress
+document, ``status.recovery.last.nodes``): two records of two stay inside the 4 KiB document."""
 MAX_POD_NAME_LENGTH = 63
 """A pod name that is also its hostname (a DNS label): a replacement's ``<job>-r<a>-<i>-p<n>``."""
 

@@ -53,6 +53,16 @@ def is_qualified_name(key: str) -> bool:
     )
 
 
+def is_node_name(name: object) -> bool:
+    """Whether ``name`` can be a Node's (``IsDNS1123Subdomain``: at most 253 characters).  A
+    longer or malformed one is no node's: callers drop it, never cut it."""
+    return (
+        isinstance(name, str)
+        and len(name) <= 253
+        and re.fullmatch(DNS_1123_SUBDOMAIN.strip("^$"), name) is not None
+    )
+
+
 def cel_all_keys_qualified(field: str) -> str:
     """CEL: every key of the map at ``field`` (over the whole spec) is a qualified name."""
     return f"{field}.all(k, k.matches(r'{QUALIFIED_NAME}'))"

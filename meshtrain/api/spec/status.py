@@ -300,7 +300,7 @@ class RecoveryRecord(base.StatusModel):
     first_step_at: float | None = Field(None, description="Unix time the next step completed.")
     nodes: list[FailedRanksNode] | None = Field(
         None,
-        max_length=2,
+        max_length=limits.MAX_RECOVERY_NODES,
         description="Where the failed ranks ran, as their pods' supervisors said (at most 2 nodes).",
     )
 

@@ -35,8 +35,8 @@ from types import FrameType
 from typing import Any
 
 from meshtrain.api import exitcodes, loading
+from meshtrain.api.spec import kube_names, run_policy
 from meshtrain.api.spec import pod as pod_spec
-from meshtrain.api.spec import run_policy
 from meshtrain.planner import host_model
 from meshtrain.trainer import launch
 from meshtrain.trainer.recovery import (
@@ -219,7 +219,7 @@ class Supervisor:
         # This pod's node (downward API; empty outside Kubernetes), named in the failures of its
         # own ranks: a record keeps it after the pod is replaced elsewhere.
         node = os.environ.get(context.NODE_ENV, "")
-        self.node = node if rendezvous.known_node(node) else ""
+        self.node = node if kube_names.is_node_name(node) else ""
 
     def failure(self, tier: str, cause: str, ranks: tuple[int, ...]) -> rendezvous.Failure:
         """A failure of this pod's own ``ranks`` in this incarnation, observed now, on this node."""

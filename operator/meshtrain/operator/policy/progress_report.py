@@ -147,12 +147,8 @@ MAX_RECOVERIES = 4
 """Most recovery records of ``recovery`` (the trainer sends its newest 2)."""
 MAX_CAUSE = 120
 """Longest ``cause`` of a recovery record."""
-MAX_RECORD_NODES = 2
-"""Most ``nodes`` entries of a recovery record (the trainer's ``recoveries.MAX_NODES``)."""
 MAX_RECORD_RANKS = 16
 """Most ranks a recovery record lists, in ``ranks`` or under one of its ``nodes``."""
-NODE_NAME = re.compile(kube_names.DNS_1123_SUBDOMAIN.removeprefix("^").removesuffix("$"))
-"""A Node's name: a DNS subdomain."""
 RECOVERY_TIERS = ("process", "container", "pod", "torchrun", "gang")
 RECOVERY_SOURCES = ("memory", "storage", "none")
 _RECORD_NUMBERS = {
@@ -196,19 +192,17 @@ def _recovery_record(value: Any) -> dict[str, Any] | None:
 
 def _record_nodes(value: Any) -> list[dict[str, Any]] | None:
     """A record's ``nodes`` (where its failed ranks ran, as their pods' supervisors said): at most
-    :data:`MAX_RECORD_NODES` entries, each a Node's name and at most :data:`MAX_RECORD_RANKS`
+    ``limits.MAX_RECOVERY_NODES`` entries, each a Node's name and at most :data:`MAX_RECORD_RANKS`
     ranks; None for anything else, which leaves the record without it (:func:`_dropped_nodes`
     notes it).  Whether the job held such a node is judged where a record is used
     (``device_errors``)."""
-    if not isinstance(value, list) or len(value) > MAX_RECORD_NODES:
+    if not isinstance(value, list) or len(value) > limits.MAX_RECOVERY_NODES:
         return None
     found = []
     for item in value:
         node = item.get("node") if isinstance(item, Mapping) else None
         ranks = item.get("ranks") if isinstance(item, Mapping) else None
-        if not isinstance(node, str) or len(node) > limits.MAX_NODE_NAME_LENGTH:
-            return None
-        if not NODE_NAME.fullmatch(node) or not isinstance(ranks, list):
+        if not kube_names.is_node_name(node) or not isinstance(ranks, list):
             return None
         valid = [_integer(r) for r in ranks[: MAX_RECORD_RANKS + 1]]
         if not ranks or len(ranks) > MAX_RECORD_RANKS or None in valid:

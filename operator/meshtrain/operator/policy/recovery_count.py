@@ -61,8 +61,6 @@ MAX_EVENTS = 4
 """Events one pass records; further restarts of the same pass are summed in the last."""
 MAX_RANKS = 16
 """Global ranks a record lists."""
-MAX_NODES = 2
-"""Nodes a record's ``nodes`` lists (``status.recovery.last.nodes``)."""
 
 
 @dataclasses.dataclass(frozen=True)

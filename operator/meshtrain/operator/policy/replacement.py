@@ -16,6 +16,7 @@ import datetime
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from meshtrain.api import limits
 from meshtrain.api import spec as api_spec
 from meshtrain.operator.policy import conditions, job_state, naming, pod_state, recovery_count
 
@@ -266,7 +267,7 @@ def status_changes(
         ranks=ranks[: recovery_count.MAX_RANKS],
         failedAt=stamp,
         detectedAt=stamp,
-        nodes=lost_on[: recovery_count.MAX_NODES] or None,
+        nodes=lost_on[: limits.MAX_RECOVERY_NODES] or None,
     )
     recovery.update(
         inPlaceRestarts=recovery["inPlaceRestarts"] + new,

@@ -45,7 +45,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -53,7 +52,7 @@ from typing import Any
 
 from torch._C import _distributed_c10d as c10d
 
-from meshtrain.api import exitcodes, limits
+from meshtrain.api import exitcodes
 from meshtrain.api.spec import kube_names
 from meshtrain.api.spec import run_policy as api_run_policy
 
@@ -136,23 +135,10 @@ class Failure:
                 cause=str(value["cause"])[:200],
                 ranks=tuple(int(r) for r in value["ranks"][:MAX_FAILURES]),
                 failed_at=float(value["at"]),
-                node=node if known_node(node) else "",
+                node=node if kube_names.is_node_name(node) else "",
             )
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
-
-
-NODE_NAME = re.compile(kube_names.DNS_1123_SUBDOMAIN)
-
-
-def known_node(name: Any) -> bool:
-    """Whether ``name`` can be a Node's (a DNS subdomain of at most 253 characters; anything
-    else is no node's name: dropped, never cut, as the operator would refuse it)."""
-    return (
-        isinstance(name, str)
-        and len(name) <= limits.MAX_NODE_NAME_LENGTH
-        and NODE_NAME.fullmatch(name) is not None
-    )
 
 
 def left_key(pod: int) -> str:

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from meshtrain.api import limits
+
 FILENAME = "recoveries.jsonl"
 
 TIERS = ("process", "container", "pod", "gang")
@@ -33,7 +35,7 @@ MAX_RANKS = 16
 """Failed ranks a record lists (the lowest); ``failedRanks`` counts them all."""
 MAX_CAUSE = 120
 """Characters of ``cause`` kept."""
-MAX_NODES = 2
+MAX_NODES = limits.MAX_RECOVERY_NODES
 """Nodes a record lists (``nodes``), each with at most :data:`MAX_NODE_RANKS` ranks and a name of
 at most :data:`MAX_RECORD_NODE_NAME` characters: with :data:`RECENT` records the progress document stays
 under its 4 KiB (``tests/unit/test_progress_report.py``); a rank left out has its node found by
