@@ -6,7 +6,9 @@ requests per second (the API server's own ``apiserver_request_total`` and the op
 ``meshtrain_operator_api_requests_total``), the operator's RSS and CPU, the longest wait of the
 largest gangs, events dropped (Events the operator failed to write, watch relists), and, per
 waiting job, its plans per capacity change that could admit it: the largest over jobs (the
-operator's ``meshtrain_operator_replans_per_admission_max``; the target is 1 at most). It writes
+operator's ``meshtrain_operator_replans_per_admission_max``; the target is 1 at most), and the
+same target judged from outside: each re-plan the operator logged against the capacity changes
+and reservation ends the benchmark's own watches saw (:mod:`benchmarks.fleet.replans`). It writes
 ``benchmarks/results/churn-<host>.json`` and prints a table.
 
     python -m benchmarks.fleet.churn [--nodes 1024] [--minutes 25] [--drain-minutes 3]
@@ -35,7 +37,7 @@ from typing import Any
 import kubernetes
 
 from benchmarks import bench_operator, bench_operator_scale, machine
-from benchmarks.fleet import kwok, observe, trace
+from benchmarks.fleet import kwok, observe, replans, trace
 from meshtrain.sandbox import controlplane
 from meshtrain.sandbox.controlplane.ports import pick_free_port
 
@@ -274,6 +276,24 @@ def _ended_at_deadline(custom: Any) -> int:
     )
 
 
+def _replans_seen(
+    log: pathlib.Path, seen: observe.Observer, held: dict[str, Any], first_apply: float
+) -> dict[str, Any]:
+    """The re-plan target judged by the benchmark's own watches (:mod:`benchmarks.fleet.replans`)."""
+    to_epoch = time.time() - time.monotonic()
+    with log.open(errors="replace") as lines:
+        plans = replans.read_log(lines, trace.NAMESPACE)
+    return replans.judge(
+        plans,
+        {name: r.gpus for name, r in seen.jobs.items()},
+        [(c.at + to_epoch, c.free_gpus) for c in seen.changes],
+        replans.releases_of(
+            {name: job["periods"] for name, job in held["jobs"].items()}, first_apply + to_epoch
+        ),
+        held["jobs"],
+    )
+
+
 def _log_counts(log: pathlib.Path) -> dict[str, int]:
     text = log.read_text(errors="replace") if log.exists() else ""
     return {
@@ -385,6 +405,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results.update(_summary(seen, shape, finished))
         first_apply = min((r.applied for r in seen.jobs.values()), default=finished)
         results["holders"] = _holders(holders, seen, first_apply, finished)
+        results["replans_seen"] = _replans_seen(log, seen, results["holders"], first_apply)
         placed = sum(1 for r in seen.jobs.values() if r.all_running is not None)
         results["placements_per_second"] = placed / wall
         results["plans_per_second"] = delta["plans"] / wall
@@ -469,6 +490,14 @@ def _print(results: dict[str, Any]) -> None:
                 f"{row['until']}, clear by {row['earliest']}, all running {row['all_running']}: "
                 f"{row['verdict']}"
             )
+    seen = results["replans_seen"]
+    print(
+        f"re-plans of waiting jobs in the operator's log {seen['replans']}: after a change that "
+        f"could admit the job {seen['by_capacity']}, after a reservation ended "
+        f"{seen['by_release']}, after neither {seen['unexplained']} (of them the reservation's "
+        f"holders' {seen['unexplained_of_holders']}); most per admitting change the benchmark saw "
+        f"{seen['most_replans_per_admitting_change']}"
+    )
     most, met = results["max_replans_per_admissible_wakeup"], results["replans_target_met"]
     print(
         "most plans of one waiting job per capacity change that could admit it: "

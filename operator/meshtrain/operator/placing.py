@@ -87,6 +87,12 @@ FAILED_PLAN_RETRY_SECONDS = 30.0
 """A job whose plan got no verdict (the worker died twice, or the node starved it of CPU) is not
 planned again for this long: each plan may cost a fresh worker's start."""
 
+WAITS = "waits for capacity"
+"""Logged once when a job's plan first finds no place and it joins the waiting jobs."""
+PLANNED_AGAIN = "planned again while waiting"
+"""Logged at every plan of a waiting job: a platform engineer sees what woke it, and the churn
+benchmark checks each against the capacity changes it saw itself (``benchmarks/fleet/replans``)."""
+
 
 def _describe(problems: Mapping[str, str]) -> str:
     return ", ".join(f"{node}: {why}" for node, why in sorted(problems.items()))
@@ -633,9 +639,11 @@ class Placer:
         held = frozenset() if hold is None else hold.labels
         raw_nodes, nodes = reserving.outside(self.waiting, job, raw_nodes, nodes)
         cap = resizing.largest_allowed(job.declared or job.spec, job.status, now)
-        if ref.uid in self.waiting.entries:  # it waited: a wake-up (or its resync) plans it again
+        was_waiting = ref.uid in self.waiting.entries
+        if was_waiting:  # it waited: a wake-up (or its resync) plans it again
             metrics.REPLANS.labels(namespace=ref.namespace).inc()
             self.replans.planned((ref.namespace, ref.name))
+            logger.info("%s/%s: %s", ref.namespace, ref.name, PLANNED_AGAIN)
         try:
             sized = await self.fit.plan_sizes(
                 job, raw_nodes, nodes, demand, cap, topology, held=held
@@ -666,6 +674,8 @@ class Placer:
         )
         if isinstance(outcome, placement_outcome.Unplaced):
             outcome = reserving.unplaced(self.waiting, job, demand, outcome)
+            if not was_waiting:
+                logger.info("%s/%s: %s", ref.namespace, ref.name, WAITS)
             since = queue_order.since_of(job.status, now, job.generation)
             declared, beside = job.declared or sized.spec, self._beside_own(job)
             # the hold's end on the monotonic clock, from when ``now`` was read (not the plan's end)

@@ -456,8 +456,11 @@ class OperatorProcess:
         lease_namespace: str = "default",
         env: dict[str, str] | None = None,
         resync_seconds: float = 2,
+        log_format: str = "json",
     ) -> None:
         self.kubeconfig = kubeconfig
+        self.log_format = log_format
+        """``--log-format``: the operator's default (json), or text as the churn benchmark runs it."""
         self.resync_seconds = resync_seconds
         """Longest wait between two passes of a job (short: the tests need not wait for events)."""
         self.env = env or {}
@@ -497,6 +500,7 @@ class OperatorProcess:
             str(self.resync_seconds),
             "--progress-seconds",
             "0.5",
+            f"--log-format={self.log_format}",
         ]
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child process
         env = {**os.environ, **self.env, "POD_NAME": self.identity}
@@ -575,12 +579,17 @@ def operated(
     log_path: str,
     resync_seconds: float,
     env: dict[str, str] | None = None,
+    log_format: str = "json",
 ) -> Iterator[tuple[Cluster, OperatorProcess]]:
     """A private control plane and an operator process on it (``resync_seconds`` between passes
     at most; ``env``: its environment beside the test's), stopped at the end."""
     with Cluster.private(control_plane_binaries) as cluster:
         operator = OperatorProcess(
-            cluster.kubeconfig, log_path, env=env, resync_seconds=resync_seconds
+            cluster.kubeconfig,
+            log_path,
+            env=env,
+            resync_seconds=resync_seconds,
+            log_format=log_format,
         )
         operator.start()
         try:

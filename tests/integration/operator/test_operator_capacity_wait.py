@@ -9,6 +9,7 @@ import re
 import time
 import uuid
 
+from benchmarks.fleet import replans as replans_seen
 from tests.builders import JobBuilder
 from tests.integration.operator.cluster import Cluster, OperatorProcess, operated, wait_for
 
@@ -23,10 +24,12 @@ def test_a_waiting_job_is_planned_only_for_a_change_that_could_admit_it(
     control_plane_binaries, tmp_path
 ):
     log = str(tmp_path / "operator.log")
-    with operated(control_plane_binaries, log, resync_seconds=300) as (cluster, operator):
+    text = "text"  # the format the churn benchmark reads its plans from
+    with operated(control_plane_binaries, log, 300, log_format=text) as (cluster, operator):
         namespace, pool = f"wait-{uuid.uuid4().hex[:6]}", f"p{uuid.uuid4().hex[:6]}"
         cluster.core.create_namespace({"metadata": {"name": namespace}})
         cluster.add_node(pool, gpus=8)
+        changes = [(time.time(), 8)]  # (when, free GPUs after): what the benchmark's watch sees
         cluster.apply(JobBuilder("big", namespace, pool).layout(data=32).gpus(8))  # 4 x 8 GPUs
         wait_for(
             "Placed=False for want of GPUs",
@@ -40,10 +43,12 @@ def test_a_waiting_job_is_planned_only_for_a_change_that_could_admit_it(
         replans = _replans(operator, namespace)
         for _ in range(2):  # 24 GPUs: three nodes cannot hold four pods of 8
             cluster.add_node(pool, gpus=8)
+            changes.append((time.time(), 8 * len(changes) + 8))
         time.sleep(3.0)
         assert _unplaced_plans(operator, namespace) == before
         assert _replans(operator, namespace) == replans  # not planned again either
         cluster.add_node(pool, gpus=8)  # 32: room for the gang
+        changes.append((time.time(), 32))
         cluster.wait_gang(namespace, "big", 4)
         assert _unplaced_plans(operator, namespace) == before  # woken once, and placed
         assert _replans(operator, namespace) == replans + 1  # by that one plan
@@ -51,6 +56,14 @@ def test_a_waiting_job_is_planned_only_for_a_change_that_could_admit_it(
         wait_for("the job's count closed", lambda: _sample(operator, "_count") == 1.0)
         assert _sample(operator, "_sum") == 1.0
         assert _sample(operator, "_max") == 1.0
+        # The churn benchmark's check from outside: its log has every re-plan the operator
+        # counted, and each came after a change whose free GPUs covered the job's 32.
+        with open(log, errors="replace") as lines:
+            plans = replans_seen.read_log(lines, namespace)
+        assert [p.again for p in plans] == [False] + [True] * int(replans + 1), plans
+        judged = replans_seen.judge(plans, {"big": 32}, changes, releases=[], holders=[])
+        assert (judged["replans"], judged["unexplained"]) == (replans + 1, 0), judged
+        assert judged["most_replans_per_admitting_change"] == 1.0
 
 
 def test_the_reservation_s_holder_gets_its_node_set_without_a_plan_of_its_gang(
